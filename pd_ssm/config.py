@@ -1,0 +1,402 @@
+"""Configuration dataclasses.
+
+`ModelConfig` normalizes the HF `config.json` of every supported architecture into one set of
+names (the per-family quirks — field names, defaults, layer patterns — are resolved here, once);
+the model files still read family-only fields from `ModelConfig.hf`.  The other configs describe
+the engine: cache sizes, scheduler budgets.  Every dataclass validates itself in
+`__post_init__` so a bad value fails at construction with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+LayerKind = Literal["mamba", "attention", "mlp"]
+
+SUPPORTED_ARCHITECTURES = ("Mamba2ForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM")
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """'bfloat16' / 'bf16' / torch.bfloat16 -> torch.bfloat16; unknown names raise."""
+    if isinstance(name, torch.dtype):
+        return name
+    key = str(name).removeprefix("torch.").lower()
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(set(_DTYPES))}")
+    return _DTYPES[key]
+
+
+def _json_float(value: Any) -> float:
+    # transformers >= 5 writes infinities as {"__float__": "Infinity"}; older files use bare Infinity.
+    if isinstance(value, dict) and "__float__" in value:
+        return float(value["__float__"])
+    return float(value)
+
+
+class ConfigError(ValueError):
+    """A checkpoint's config.json cannot be served: names the field and what is expected."""
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Architecture facts the engine and the cache need, in one vocabulary for all families."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    layer_kinds: list[LayerKind]  # per decoder layer, the mixer it holds (Bamba: FFN rides along)
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int | None  # None: the architecture has no positional limit
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    pad_token_id: int | None
+    dtype: torch.dtype  # the dtype the checkpoint was saved in
+    residual_in_fp32: bool
+    # Mamba2 mixer
+    mamba_num_heads: int
+    mamba_head_dim: int
+    mamba_d_state: int
+    mamba_n_groups: int
+    mamba_d_conv: int
+    mamba_chunk_size: int
+    mamba_conv_bias: bool
+    mamba_proj_bias: bool
+    time_step_limit: tuple[float, float]
+    # attention (hybrids only; zero for pure SSM models)
+    num_attention_heads: int = 0
+    num_kv_heads: int = 0
+    attn_head_dim: int = 0
+    rope_theta: float | None = None  # None: no rotary embedding (NemotronH)
+    partial_rotary_factor: float = 1.0
+    attention_bias: bool = False
+    # MLP
+    intermediate_size: int = 0
+    hf: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.vocab_size <= 0 or self.hidden_size <= 0:
+            raise ConfigError("vocab_size and hidden_size must be positive")
+        if "mamba" in self.layer_kinds:
+            if self.mamba_num_heads % self.mamba_n_groups != 0:
+                raise ConfigError(
+                    f"mamba num_heads ({self.mamba_num_heads}) must be a multiple of n_groups "
+                    f"({self.mamba_n_groups})"
+                )
+            if self.mamba_chunk_size <= 0 or self.mamba_d_conv < 2:
+                raise ConfigError("mamba chunk_size must be > 0 and conv kernel >= 2")
+        if "attention" in self.layer_kinds:
+            if self.num_attention_heads <= 0 or self.num_kv_heads <= 0 or self.attn_head_dim <= 0:
+                raise ConfigError("attention layers need num_attention_heads, num_key_value_heads, head_dim")
+            if self.num_attention_heads % self.num_kv_heads != 0:
+                raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    # --- derived sizes -------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_kinds)
+
+    @property
+    def mamba_layer_ids(self) -> list[int]:
+        return [i for i, k in enumerate(self.layer_kinds) if k == "mamba"]
+
+    @property
+    def attention_layer_ids(self) -> list[int]:
+        return [i for i, k in enumerate(self.layer_kinds) if k == "attention"]
+
+    @property
+    def mamba_d_inner(self) -> int:
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @property
+    def mamba_conv_dim(self) -> int:
+        # conv runs over x, B and C together: d_inner + 2 * n_groups * d_state channels
+        return self.mamba_d_inner + 2 * self.mamba_n_groups * self.mamba_d_state
+
+    @property
+    def mamba_norm_group_size(self) -> int:
+        # gated RMSNorm normalizes each of n_groups slices of d_inner separately
+        # (transformers >= 5 does so for Mamba2, Bamba and NemotronH alike)
+        return self.mamba_d_inner // self.mamba_n_groups
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.attn_head_dim * self.partial_rotary_factor) if self.rope_theta is not None else 0
+
+    # --- loading -------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        cfg_file = path / "config.json" if path.is_dir() else path
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"no config.json at {cfg_file}: pass a checkpoint directory")
+        with open(cfg_file) as f:
+            return cls.from_hf_dict(json.load(f))
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(
+                f"unsupported architecture {archs or hf.get('model_type')!r}; "
+                f"pd_ssm supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        parse = {
+            "Mamba2ForCausalLM": _from_mamba2,
+            "BambaForCausalLM": _from_bamba,
+            "NemotronHForCausalLM": _from_nemotron_h,
+        }[arch]
+        try:
+            return parse(hf)
+        except KeyError as e:
+            raise ConfigError(f"{arch} config.json lacks the field {e.args[0]!r}") from None
+
+
+def _common(hf: dict[str, Any]) -> dict[str, Any]:
+    eos = hf.get("eos_token_id")
+    eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+    limit = hf.get("time_step_limit") or (0.0, math.inf)
+    return dict(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        eos_token_ids=eos_ids,
+        bos_token_id=hf.get("bos_token_id"),
+        pad_token_id=hf.get("pad_token_id"),
+        dtype=parse_dtype(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+        time_step_limit=(_json_float(limit[0]), _json_float(limit[1])),
+        hf=hf,
+    )
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, float]:
+    rope = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if rope_type not in (None, "default"):
+        raise ConfigError(f"rope_type {rope_type!r} is not supported yet (only 'default')")
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    factor = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    return theta, factor
+
+
+def _from_mamba2(hf: dict[str, Any]) -> ModelConfig:
+    hidden = int(hf["hidden_size"])
+    expand = int(hf.get("expand", 2))
+    num_heads = int(hf["num_heads"])
+    head_dim = int(hf["head_dim"])
+    if num_heads * head_dim != expand * hidden:
+        raise ConfigError(
+            f"Mamba2 num_heads * head_dim ({num_heads * head_dim}) != expand * hidden_size ({expand * hidden})"
+        )
+    return ModelConfig(
+        architecture="Mamba2ForCausalLM",
+        layer_kinds=["mamba"] * int(hf["num_hidden_layers"]),
+        rms_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        max_position_embeddings=None,
+        residual_in_fp32=bool(hf.get("residual_in_fp32", True)),
+        mamba_num_heads=num_heads,
+        mamba_head_dim=head_dim,
+        mamba_d_state=int(hf["state_size"]),
+        mamba_n_groups=int(hf.get("n_groups", 8)),
+        mamba_d_conv=int(hf.get("conv_kernel", 4)),
+        mamba_chunk_size=int(hf.get("chunk_size", 256)),
+        mamba_conv_bias=bool(hf.get("use_conv_bias", True)),
+        mamba_proj_bias=bool(hf.get("use_bias", False)),
+        **_common(hf),
+    )
+
+
+def _from_bamba(hf: dict[str, Any]) -> ModelConfig:
+    hidden = int(hf["hidden_size"])
+    n_layers = int(hf["num_hidden_layers"])
+    attn = set(hf.get("attn_layer_indices") or [])
+    if any(i < 0 or i >= n_layers for i in attn):
+        raise ConfigError(f"attn_layer_indices {sorted(attn)} outside 0..{n_layers - 1}")
+    n_heads = int(hf["mamba_n_heads"])
+    d_head = hf.get("mamba_d_head", "auto")
+    d_head = int(hf.get("mamba_expand", 2)) * hidden // n_heads if d_head == "auto" else int(d_head)
+    theta, _ = _rope(hf)
+    num_attn_heads = int(hf["num_attention_heads"])
+    # transformers: BambaConfig.num_key_value_heads defaults to 8 when absent, None means MHA;
+    # BambaAttention uses config.head_dim when the file has one, else hidden_size // heads
+    num_kv = hf.get("num_key_value_heads", 8)
+    head_dim = hf.get("head_dim") or hidden // num_attn_heads
+    return ModelConfig(
+        architecture="BambaForCausalLM",
+        layer_kinds=["attention" if i in attn else "mamba" for i in range(n_layers)],
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 262144)),
+        residual_in_fp32=False,
+        mamba_num_heads=n_heads,
+        mamba_head_dim=d_head,
+        mamba_d_state=int(hf["mamba_d_state"]),
+        mamba_n_groups=int(hf.get("mamba_n_groups", 1)),
+        mamba_d_conv=int(hf.get("mamba_d_conv", 4)),
+        mamba_chunk_size=int(hf.get("mamba_chunk_size", 256)),
+        mamba_conv_bias=bool(hf.get("mamba_conv_bias", True)),
+        mamba_proj_bias=bool(hf.get("mamba_proj_bias", False)),
+        num_attention_heads=num_attn_heads,
+        num_kv_heads=int(num_kv or num_attn_heads),
+        attn_head_dim=int(head_dim),
+        rope_theta=theta,
+        # NOTE: transformers hard-codes partial_rotary_factor = 0.5 for Bamba whatever the file says
+        partial_rotary_factor=0.5,
+        attention_bias=bool(hf.get("attention_bias", False)),
+        intermediate_size=int(hf["intermediate_size"]),
+        **_common(hf),
+    )
+
+
+_NEMOTRON_PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+_NEMOTRON_TYPES = {
+    "linear_attention": "mamba",
+    "mamba": "mamba",
+    "full_attention": "attention",
+    "attention": "attention",
+    "mlp": "mlp",
+    "moe": "moe",
+}
+
+
+def _from_nemotron_h(hf: dict[str, Any]) -> ModelConfig:
+    if hf.get("layers_block_type"):
+        raw = [_NEMOTRON_TYPES.get(t, t) for t in hf["layers_block_type"]]
+    elif hf.get("hybrid_override_pattern"):
+        raw = [_NEMOTRON_PATTERN.get(c, c) for c in hf["hybrid_override_pattern"]]
+    else:
+        raise ConfigError("NemotronH config needs layers_block_type or hybrid_override_pattern")
+    unsupported = sorted({k for k in raw if k not in ("mamba", "attention", "mlp")})
+    if unsupported:
+        raise ConfigError(f"NemotronH layer kinds {unsupported} are not supported (mamba, attention, mlp are)")
+    kinds: list[LayerKind] = [k for k in raw]  # type: ignore[misc]
+
+    def alias(name: str, legacy: str, default: Any) -> Any:
+        # NemotronHConfig lets the legacy mamba_* spelling override the plain one
+        return hf[legacy] if legacy in hf else hf.get(name, default)
+
+    num_attn_heads = int(hf.get("num_attention_heads", 32))
+    num_kv = hf.get("num_key_value_heads", 8)  # NemotronHConfig default; None means MHA
+    head_dim = hf.get("head_dim", 128)  # NemotronHConfig default, *not* hidden // heads
+    # NOTE: transformers' NemotronH mixer clamps dt to (time_step_min, inf) and ignores
+    # time_step_limit; it ignores residual_in_fp32 (residual stays in the activation dtype);
+    # in_proj/out_proj biases follow `use_bias` (not mamba_proj_bias); attention has no bias.
+    dt_min = float(alias("time_step_min", "mamba_dt_min", 0.001))
+    return ModelConfig(
+        architecture="NemotronHForCausalLM",
+        layer_kinds=kinds,
+        rms_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        residual_in_fp32=False,
+        mamba_num_heads=int(hf["mamba_num_heads"]),
+        mamba_head_dim=int(hf["mamba_head_dim"]),
+        mamba_d_state=int(hf["ssm_state_size"]),
+        mamba_n_groups=int(alias("n_groups", "mamba_n_groups", 8)),
+        mamba_d_conv=int(alias("conv_kernel", "mamba_d_conv", 4)),
+        mamba_chunk_size=int(alias("chunk_size", "mamba_chunk_size", 128)),
+        mamba_conv_bias=bool(alias("use_conv_bias", "mamba_conv_bias", True)),
+        mamba_proj_bias=bool(hf.get("use_bias", False)),
+        num_attention_heads=num_attn_heads,
+        num_kv_heads=int(num_kv or num_attn_heads),
+        attn_head_dim=int(head_dim or int(hf["hidden_size"]) // num_attn_heads),
+        rope_theta=None,  # NemotronH attention has no positional embedding
+        attention_bias=False,
+        intermediate_size=int(hf.get("intermediate_size", 21504)),
+        # NemotronHForCausalLM declares no tied weights: its lm_head is its own whatever the file says
+        **{**_common(hf), "time_step_limit": (dt_min, math.inf), "tie_word_embeddings": False},
+    )
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """Sizes of the state and KV pools.
+
+    One state slot holds, for every SSM layer, a request's conv state and SSM state; one KV block
+    holds `block_size` tokens of K and V for every attention layer.
+    """
+
+    num_state_slots: int = 64
+    num_kv_blocks: int = 1024
+    block_size: int = 16
+    mamba_ssm_cache_dtype: torch.dtype = torch.float32
+    # None: the conv state and KV blocks use the model's activation dtype
+    cache_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_state_slots <= 0:
+            raise ValueError(f"num_state_slots must be > 0, got {self.num_state_slots}")
+        if self.num_kv_blocks < 0:
+            raise ValueError(f"num_kv_blocks must be >= 0, got {self.num_kv_blocks}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        self.mamba_ssm_cache_dtype = parse_dtype(self.mamba_ssm_cache_dtype)
+        if self.mamba_ssm_cache_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError("mamba_ssm_cache_dtype must be float32, bfloat16 or float16")
+        if self.cache_dtype is not None:
+            self.cache_dtype = parse_dtype(self.cache_dtype)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Step budgets: at most `max_num_seqs` requests running, `max_num_batched_tokens` per step."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings (or unbounded)
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything `Engine` needs to build itself; CLI flags and `LLM(...)` kwargs map onto it."""
+
+    model: str  # checkpoint directory
+    device: str = "cpu"
+    dtype: str = "auto"  # "auto": the checkpoint's dtype
+    load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights of real sizes)
+    kernel_backend: str = "auto"  # "auto" | "torch" | "triton"
+    seed: int = 0  # seed of dummy weights
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
+        if self.kernel_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernel_backend must be auto, torch or triton, got {self.kernel_backend!r}")
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)
+        dev = torch.device(self.device)
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' asked for, but torch sees no CUDA device here")
+
+    def resolve_dtype(self, model: ModelConfig) -> torch.dtype:
+        return model.dtype if self.dtype == "auto" else parse_dtype(self.dtype)

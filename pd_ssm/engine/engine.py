@@ -1,0 +1,204 @@
+"""The engine: admit requests, step the scheduler, run the model, sample, emit outputs.
+
+Roles come from composition: a colocated engine has both managers and hands a request whose
+prefill is done straight to its decode batch.  `export_request` / `import_request` move a request
+with its StatePages between engines (what the disaggregated workers build on).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from pd_ssm.cache.manager import CacheManager
+from pd_ssm.cache.pages import RequestState, StatePages, export_pages, import_pages
+from pd_ssm.cache.pool import CachePool
+from pd_ssm.config import EngineConfig, ModelConfig
+from pd_ssm.engine.decode_manager import DecodeManager
+from pd_ssm.engine.output_processor import OutputProcessor
+from pd_ssm.engine.prefill_manager import PrefillManager
+from pd_ssm.engine.request import Request, Status
+from pd_ssm.engine.runner import ModelRunner
+from pd_ssm.engine.sampler import make_seed
+from pd_ssm.engine.scheduler import Scheduler
+from pd_ssm.engine.tokenizer import Tokenizer, load_tokenizer
+from pd_ssm.kernels.dispatch import get_kernels
+from pd_ssm.models.loader import load_model
+from pd_ssm.outputs import RequestOutput
+from pd_ssm.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# Pure SSM models have no positional limit; this bounds max_tokens=None all the same.
+_UNBOUNDED_LEN = 1 << 20
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (bad prompt, too long, ...); nothing was allocated for it."""
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        mc = self.model_config
+        self.dtype = config.resolve_dtype(mc)
+        self.kernels = get_kernels(config.kernel_backend, self.device)  # type: ignore[arg-type]
+        self.model = load_model(
+            config.model,
+            device=self.device,
+            dtype=self.dtype,
+            kernels=self.kernels,
+            load_format=config.load_format,
+            seed=config.seed,
+        )
+        cc = config.cache
+        self.pool = CachePool(mc, cc, self.device, self.dtype)
+        uses_kv = bool(mc.attention_layer_ids)
+        self.cache = CacheManager(cc.num_state_slots, cc.num_kv_blocks, cc.block_size, uses_kv)
+        declared = config.scheduler.max_model_len or mc.max_position_embeddings or _UNBOUNDED_LEN
+        kv_tokens = cc.num_kv_blocks * cc.block_size if uses_kv else declared
+        self.max_model_len = min(declared, kv_tokens)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.cache,
+            PrefillManager(self.cache, config.scheduler.enable_chunked_prefill),
+            DecodeManager(self.cache),
+        )
+        self.runner = ModelRunner(self.model, self.pool, self.cache, self.device)
+        self.tokenizer: Tokenizer = load_tokenizer(
+            Path(config.model), vocab_size=mc.vocab_size, eos_token_ids=mc.eos_token_ids, bos_token_id=mc.bos_token_id
+        )
+        self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+
+    # --- requests ------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        params = params or SamplingParams()
+        req_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if req_id in self.requests:
+            raise RequestError(f"request id {req_id!r} is already in use")
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        self._validate_prompt(ids)
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        seed = params.seed if params.seed is not None else make_seed()
+        req = Request(req_id, ids, params, seed=seed, max_tokens=max_tokens, prompt=text)
+        self.requests[req_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def _validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise RequestError("prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(
+                f"prompt has {len(ids)} tokens; the maximum model length is {self.max_model_len} "
+                f"(prompt + at least one generated token)"
+            )
+
+    def abort(self, req_id: str) -> RequestOutput | None:
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            return None
+        self.scheduler.release(req)
+        req.finish("abort")
+        self.outputs.forget(req_id)
+        return self.outputs.output(req, [], "")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        results: list[RequestOutput] = []
+        for req in sched.preempted:
+            if req.finished:  # a decode-only engine had to drop it
+                self.requests.pop(req.req_id, None)
+                results.append(self.outputs.output(req, [], ""))
+            else:
+                log.debug("preempted %s (recompute #%d)", req.req_id, req.num_preemptions)
+        if sched.empty:
+            return results
+        step = self.runner.step(sched)
+        for seq in sched.seqs:
+            seq.request.num_computed_tokens += seq.num_new_tokens
+        prefilling = self.scheduler.prefill.prefilling if self.scheduler.prefill else []
+        for req, token, logprobs in step.sampled:
+            was_prefill = req in prefilling
+            new_text = self.outputs.append(req, token, logprobs)
+            if req.finished:
+                self.scheduler.release(req)
+                self.requests.pop(req.req_id, None)
+            elif was_prefill:
+                self.scheduler.finish_prefill(req)
+                self.scheduler.add_decoding(req)
+            results.append(self.outputs.output(req, [token], new_text))
+        return results
+
+    # --- moving a request between engines --------------------------------------------------
+    def export_request(self, req_id: str) -> StatePages:
+        """Snapshot a request's cache and bookkeeping, then release it here."""
+        req = self.requests[req_id]
+        if req.num_computed_tokens == 0 or not self.cache.holds(req_id):
+            raise RequestError(f"request {req_id!r} holds no computed state to export yet")
+        state = RequestState(
+            req_id=req.req_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            output_token_ids=list(req.output_token_ids),
+            num_computed_tokens=req.num_computed_tokens,
+            params=req.params.to_dict(),
+            seed=req.seed,
+            max_tokens=req.max_tokens,
+            prompt=req.prompt,
+        )
+        pages = export_pages(self.pool, state, self.cache.slot(req_id), self.cache.block_table(req_id))
+        self.scheduler.release(req)
+        self.requests.pop(req_id)
+        self.outputs.forget(req_id)
+        return pages
+
+    def import_request(self, pages: StatePages) -> Request:
+        """Install a request exported elsewhere; it joins this engine's decode batch."""
+        st = pages.request
+        if st.req_id in self.requests:
+            raise RequestError(f"request id {st.req_id!r} is already in use")
+        params = SamplingParams.from_dict(st.params)
+        req = Request(st.req_id, list(st.prompt_token_ids), params, seed=st.seed, max_tokens=st.max_tokens,
+                      prompt=st.prompt, output_token_ids=list(st.output_token_ids))
+        req.num_computed_tokens = st.num_computed_tokens
+        if req.num_pending_tokens != 1:
+            raise RequestError(
+                f"request {st.req_id!r} has {req.num_pending_tokens} pending tokens; only requests "
+                f"ready to decode (prefill finished, one token pending) can be imported"
+            )
+        self.cache.allocate(req.req_id, req.num_tokens)
+        try:
+            import_pages(self.pool, pages, self.cache.slot(req.req_id), self.cache.block_table(req.req_id))
+        except Exception:
+            self.cache.free(req.req_id)
+            raise
+        self.requests[req.req_id] = req
+        req.status = Status.WAITING
+        self.scheduler.add_decoding(req)
+        return req

@@ -1,0 +1,114 @@
+"""Model runner: turns a SchedulerOutput into tensors, runs the model, samples.
+
+Host-side metadata is built in Python lists once per step and copied to the device in one go per
+tensor; the model sees only `ForwardMeta`.  Logits are computed only for the sequences whose
+pending tokens are all fed this step (the others are mid-prefill and sample nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pd_ssm.cache.manager import CacheManager
+from pd_ssm.cache.pool import CachePool
+from pd_ssm.engine.forward_meta import ForwardMeta
+from pd_ssm.engine.request import Request
+from pd_ssm.engine.sampler import Sampler
+from pd_ssm.engine.schedule_types import SchedulerOutput
+from pd_ssm.models.base import CausalLM
+
+
+@dataclass(slots=True)
+class StepResult:
+    sampled: list[tuple[Request, int, dict[int, float] | None]]  # (request, token, logprobs)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, pool: CachePool, cache: CacheManager, device: torch.device) -> None:
+        self.model = model
+        self.pool = pool
+        self.cache = cache
+        self.device = device
+        self.sampler = Sampler()
+
+    def build(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, ForwardMeta, list[int]]:
+        """(input_ids, positions, meta, rows to sample) for the step."""
+        seqs = sched.seqs
+        ids: list[int] = []
+        positions: list[int] = []
+        qsl = [0]
+        ctx: list[int] = []
+        seq_lens: list[int] = []
+        slots: list[int] = []
+        slot_mapping: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        bs = self.cache.block_size
+        for req, n in seqs:
+            start = req.num_computed_tokens
+            ids.extend(req.pending_token_ids(n))
+            positions.extend(range(start, start + n))
+            qsl.append(qsl[-1] + n)
+            ctx.append(start)
+            seq_lens.append(start + n)
+            slots.append(self.cache.slot(req.req_id))
+            if self.cache.uses_kv:
+                table = self.cache.block_table(req.req_id)
+                tables.append(table)
+                slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if start + n == req.num_tokens:
+                sample_rows.append(qsl[-1] - 1)
+        if not self.cache.uses_kv:
+            slot_mapping = [-1] * len(ids)
+            tables = [[] for _ in seqs]
+        width = max((len(t) for t in tables), default=0) or 1
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+
+        def i32(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int32, device=dev)
+
+        meta = ForwardMeta(
+            num_decodes=len(sched.decodes),
+            num_prefills=len(sched.prefills),
+            num_tokens=len(ids),
+            query_start_loc=i32(qsl),
+            context_lens=i32(ctx),
+            seq_lens=i32(seq_lens),
+            state_indices=i32(slots),
+            has_initial_state=torch.tensor([c > 0 for c in ctx], dtype=torch.bool, device=dev),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev).reshape(len(seqs), width),
+            query_start_loc_cpu=qsl,
+            context_lens_cpu=ctx,
+            seq_lens_cpu=seq_lens,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        return input_ids, pos, meta, sample_rows
+
+    @torch.inference_mode()
+    def forward_logits(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
+        """Run the step; return [N, vocab] fp32 logits for the N requests that sample, and them."""
+        input_ids, positions, meta, rows = self.build(sched)
+        hidden = self.model(input_ids, positions, meta, self.pool)
+        sampling = [seq.request for seq in sched.seqs if seq.request.num_computed_tokens + seq.num_new_tokens
+                    == seq.request.num_tokens]
+        if not rows:
+            return torch.empty(0, device=self.device), []
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        return logits, sampling
+
+    def step(self, sched: SchedulerOutput) -> StepResult:
+        logits, reqs = self.forward_logits(sched)
+        if not reqs:
+            return StepResult([])
+        out = self.sampler(
+            logits,
+            [r.params for r in reqs],
+            [r.seed for r in reqs],
+            [r.sample_offset for r in reqs],
+        )
+        return StepResult(list(zip(reqs, out.token_ids, out.logprobs, strict=True)))

@@ -1,0 +1,119 @@
+"""Which implementation of each kernel runs: Triton on CUDA, the pure-torch references elsewhere.
+
+Layers are handed a `Kernels` (from `get_kernels`, once per model) and call `kernels.rms_norm(...)`;
+nothing is looked up per call. The module-level functions of the same names (`rms_norm(...)`, ...)
+are a convenience for tests and scripts: each call resolves "auto" from the device of its first
+tensor argument.
+
+There is no silent fallback: a missing Triton kernel on CUDA is an error, and the torch references
+run on the GPU only when asked for (`kernel_backend="torch"`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+from typing import Any, Literal, TypeVar, cast
+
+import torch
+from torch import Tensor
+
+from pd_ssm.kernels.attention import (
+    paged_decode_attention_ref,
+    varlen_prefill_attention_ref,
+    write_kv_cache_ref,
+)
+from pd_ssm.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
+from pd_ssm.kernels.rmsnorm import rms_norm_gated_ref, rms_norm_ref
+from pd_ssm.kernels.ssd import ScanOutput, mamba_chunk_scan_varlen_ref
+from pd_ssm.kernels.ssu import selective_state_update_ref
+
+KernelBackend = Literal["auto", "torch", "triton"]
+
+
+class KernelNotAvailable(RuntimeError):
+    """The requested backend has no implementation of some kernel on this device."""
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """One implementation of every kernel; the signatures are those of the `*_ref` functions."""
+
+    backend: Literal["torch", "triton"]
+    mamba_chunk_scan_varlen: Callable[..., ScanOutput]
+    causal_conv1d_varlen: Callable[..., Tensor]
+    causal_conv1d_update: Callable[..., Tensor]
+    selective_state_update: Callable[..., Tensor]
+    rms_norm: Callable[..., Tensor]
+    rms_norm_gated: Callable[..., Tensor]
+    write_kv_cache: Callable[..., None]
+    varlen_prefill_attention: Callable[..., Tensor]
+    paged_decode_attention: Callable[..., Tensor]
+
+
+KERNEL_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Kernels) if f.name != "backend")
+
+_TORCH_KERNELS: Mapping[str, Callable[..., Any]] = MappingProxyType({
+    "mamba_chunk_scan_varlen": mamba_chunk_scan_varlen_ref,
+    "causal_conv1d_varlen": causal_conv1d_varlen_ref,
+    "causal_conv1d_update": causal_conv1d_update_ref,
+    "selective_state_update": selective_state_update_ref,
+    "rms_norm": rms_norm_ref,
+    "rms_norm_gated": rms_norm_gated_ref,
+    "write_kv_cache": write_kv_cache_ref,
+    "varlen_prefill_attention": varlen_prefill_attention_ref,
+    "paged_decode_attention": paged_decode_attention_ref,
+})
+
+# NOTE: each Triton kernel is registered here by name as it lands beside its reference
+_TRITON_KERNELS: Mapping[str, Callable[..., Any]] = MappingProxyType({})
+
+
+def get_kernels(backend: KernelBackend, device: torch.device | str) -> Kernels:
+    """The kernels of `backend` for `device`; "auto" is Triton on CUDA and torch anywhere else.
+
+    Raises KernelNotAvailable, naming the missing kernels, when Triton is asked for (explicitly or
+    through "auto" on CUDA) and some kernel has no Triton implementation.
+    """
+    device = torch.device(device)
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    if backend == "torch":
+        return Kernels(backend="torch", **_TORCH_KERNELS)
+    if backend == "triton":
+        missing = [name for name in KERNEL_NAMES if name not in _TRITON_KERNELS]
+        if missing:
+            raise KernelNotAvailable(
+                f"no Triton kernel yet for {', '.join(missing)} (backend 'triton' on {device}); "
+                "kernel_backend='torch' runs the pure-torch reference kernels, on the GPU as well"
+            )
+        return Kernels(backend="triton", **_TRITON_KERNELS)
+    raise ValueError(f"kernel backend must be one of 'auto', 'torch', 'triton', got {backend!r}")
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _routed(name: str, ref: _F) -> _F:
+    """A module-level kernel: `get_kernels("auto", <device of the first tensor>).<name>(...)`."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        first = next(a for a in (*args, *kwargs.values()) if isinstance(a, Tensor))
+        return getattr(get_kernels("auto", first.device), name)(*args, **kwargs)
+
+    functools.update_wrapper(call, ref)  # the reference's signature and docstring
+    call.__name__ = call.__qualname__ = name
+    return cast(_F, call)
+
+
+mamba_chunk_scan_varlen = _routed("mamba_chunk_scan_varlen", mamba_chunk_scan_varlen_ref)
+causal_conv1d_varlen = _routed("causal_conv1d_varlen", causal_conv1d_varlen_ref)
+causal_conv1d_update = _routed("causal_conv1d_update", causal_conv1d_update_ref)
+selective_state_update = _routed("selective_state_update", selective_state_update_ref)
+rms_norm = _routed("rms_norm", rms_norm_ref)
+rms_norm_gated = _routed("rms_norm_gated", rms_norm_gated_ref)
+write_kv_cache = _routed("write_kv_cache", write_kv_cache_ref)
+varlen_prefill_attention = _routed("varlen_prefill_attention", varlen_prefill_attention_ref)
+paged_decode_attention = _routed("paged_decode_attention", paged_decode_attention_ref)

@@ -1,0 +1,71 @@
+"""RMSNorm and the Mamba2 gated, grouped RMSNorm.
+
+The casts follow the HF modules exactly, because in bf16 their order changes the result:
+normalize in fp32, cast the normalized value back to the input dtype, then multiply by the weight
+in the input dtype (Mamba2RMSNorm, BambaRMSNorm, MambaRMSNormGated and the Bamba / NemotronH
+gated norms). NemotronHRMSNorm instead multiplies by the weight in fp32 and casts the product
+once: `rms_norm_ref(..., weight_in_fp32=True)`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from pd_ssm.kernels._checks import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_ndim,
+    check_same_device,
+    check_shape,
+)
+
+
+def _check_norm_args(k: str, x: Tensor, weight: Tensor) -> None:
+    check_ndim(k, "x", x, "[T, d]")
+    check_shape(k, "weight", weight, "[d]", (x.shape[1],))
+    check_dtype(k, "x", x, FLOAT_DTYPES)
+    # NOTE: the HF modules return weight * x, whose dtype would follow an fp32 weight; one dtype
+    # for both keeps the output in x.dtype
+    check_dtype(k, "weight", weight, (x.dtype,))
+    check_last_dim_contiguous(k, "x", x)
+
+
+def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, *, weight_in_fp32: bool = False) -> Tensor:
+    """y = weight * x / sqrt(mean(x^2) + eps) over the last axis.
+
+    Shapes: x [T, d] fp32/bf16/fp16 (stride 1 on the last axis); weight [d] in x.dtype.
+    Returns y [T, d] in x.dtype. weight_in_fp32 selects NemotronH's order of casts.
+    """
+    _check_norm_args("rms_norm", x, weight)
+    check_same_device("rms_norm", x=x, weight=weight)
+    h = x.float()  # [T, d]
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)  # [T, d] fp32
+    if weight_in_fp32:
+        return (weight.float() * h).to(x.dtype)
+    return weight * h.to(x.dtype)
+
+
+def rms_norm_gated_ref(x: Tensor, gate: Tensor, weight: Tensor, eps: float, group_size: int) -> Tensor:
+    """y = weight * norm_g(x * silu(gate)), normalized over each group of group_size features.
+
+    Shapes: x, gate [T, d] (fp32/bf16/fp16, stride 1 on the last axis; gate may differ in dtype);
+    weight [d] in x.dtype; d % group_size == 0 (group_size = d gives one plain RMSNorm over d).
+    The gate multiplies before the norm (HF's MambaRMSNormGated, mamba_ssm's norm_before_gate=False).
+    Returns y [T, d] in x.dtype.
+    """
+    k = "rms_norm_gated"
+    _check_norm_args(k, x, weight)
+    check_shape(k, "gate", gate, "[T, d]", tuple(x.shape))
+    check_dtype(k, "gate", gate, FLOAT_DTYPES)
+    check_last_dim_contiguous(k, "gate", gate)
+    check_same_device(k, x=x, gate=gate, weight=weight)
+    T, d = x.shape
+    if group_size <= 0 or d % group_size != 0:
+        raise ValueError(f"{k}: d ({d}) must be a multiple of group_size ({group_size})")
+    h = x.float() * F.silu(gate.float())  # [T, d] fp32
+    h = h.view(T, d // group_size, group_size)  # [T, groups, group_size]
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.view(T, d).to(x.dtype)

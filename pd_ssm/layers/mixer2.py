@@ -1,0 +1,139 @@
+"""The Mamba2 mixer over a varlen batch whose conv / SSM states live in the CachePool.
+
+Per step, with the batch ordered decodes first then prefill chunks (ForwardMeta):
+
+    in_proj(x) -> z [T, d_inner] | xBC [T, conv_dim] | dt [T, nheads]          (HF split order)
+    decode tokens:  causal_conv1d_update  -> selective_state_update            (one token each)
+    prefill chunks: causal_conv1d_varlen  -> mamba_chunk_scan_varlen           (each from its own state)
+    y [T, d_inner] -> gated RMSNorm(y, z) with groups of d_inner / n_groups -> out_proj
+
+Both paths read and write the states of the slots in `meta.state_indices` in place.  xBC splits
+after the conv into x [d_inner] | B [n_groups * d_state] | C [n_groups * d_state].
+
+NOTE: transformers >= 5 sizes in_proj exactly d_inner + conv_dim + nheads (the old "d_mlp" split
+of 4.x derived two extra slices from the projection width, which HF's own in_proj never had);
+a checkpoint with a wider in_proj is rejected by the loader's shape check, never sliced silently.
+
+NOTE on dt clamping: the chunked scan clamps softplus(dt + dt_bias) to the model's
+time_step_limit, the decode step does not clamp at all.  That is what every reference does
+(transformers' torch path, mamba_ssm's `step`, hence `generate`), so prompt tokens are clamped
+and generated tokens are not; it only matters for models whose limit is not (0, inf), e.g.
+NemotronH (lower bound time_step_min).  Prefill and decode workers apply the same rule, so a
+disaggregated run still equals a colocated one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pd_ssm.cache.pool import CachePool
+from pd_ssm.config import ModelConfig
+from pd_ssm.engine.forward_meta import ForwardMeta
+from pd_ssm.kernels.dispatch import Kernels
+from pd_ssm.layers.norm import GatedRMSNorm
+
+# the decode step's dt limit: none, as in the references (module docstring)
+DECODE_DT_LIMIT = (0.0, float("inf"))
+
+
+def conv1d_weight_from_hf(t: torch.Tensor) -> torch.Tensor:
+    """HF nn.Conv1d depthwise weight [dim, 1, width] -> the kernels' [dim, width]."""
+    return t[:, 0, :] if t.dim() == 3 and t.shape[1] == 1 else t
+
+
+class DepthwiseConv1dParams(nn.Module):
+    """Parameters of the depthwise causal conv, named like HF's `conv1d` (weight, bias)."""
+
+    def __init__(self, dim: int, width: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, width))  # [dim, width], kernels' layout
+        self.weight.weight_converter = conv1d_weight_from_hf  # type: ignore[attr-defined]
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, *, layer_idx: int, kernels: Kernels, activation: str = "silu"
+    ) -> None:
+        super().__init__()
+        if activation != "silu":
+            raise ValueError(f"Mamba2 mixer: conv activation {activation!r} is not supported (only silu)")
+        self.layer_idx = layer_idx
+        self.kernels = kernels
+        self.activation = activation
+        self.num_heads = config.mamba_num_heads
+        self.head_dim = config.mamba_head_dim
+        self.n_groups = config.mamba_n_groups
+        self.d_state = config.mamba_d_state
+        self.d_inner = config.mamba_d_inner
+        self.conv_dim = config.mamba_conv_dim
+        self.chunk_size = config.mamba_chunk_size
+        self.prefill_dt_limit = config.time_step_limit
+
+        hidden = config.hidden_size
+        self.in_proj = nn.Linear(hidden, self.d_inner + self.conv_dim + self.num_heads, bias=config.mamba_proj_bias)
+        self.conv1d = DepthwiseConv1dParams(self.conv_dim, config.mamba_d_conv, config.mamba_conv_bias)
+        # NOTE: kept in fp32 whatever the activation dtype: the kernels compute dt, exp(A dt) and the
+        # D skip in fp32, and storing a bf16 checkpoint value in fp32 is lossless
+        self.dt_bias = nn.Parameter(torch.ones(self.num_heads, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, self.num_heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(self.num_heads, dtype=torch.float32))
+        self.norm = GatedRMSNorm(self.d_inner, config.rms_norm_eps, config.mamba_norm_group_size, kernels)
+        self.out_proj = nn.Linear(self.d_inner, hidden, bias=config.mamba_proj_bias)
+
+    def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[N, conv_dim] -> x [N, nheads, headdim], B [N, ng, ds], C [N, ng, ds] (views)."""
+        n = xbc.shape[0]
+        gs = self.n_groups * self.d_state
+        x, B, C = xbc.split([self.d_inner, gs, gs], dim=-1)
+        return (
+            x.view(n, self.num_heads, self.head_dim),
+            B.view(n, self.n_groups, self.d_state),
+            C.view(n, self.n_groups, self.d_state),
+        )
+
+    def forward(self, hidden: torch.Tensor, meta: ForwardMeta, cache: CachePool) -> torch.Tensor:
+        T = hidden.shape[0]
+        k = self.kernels
+        proj = self.in_proj(hidden)  # [T, d_inner + conv_dim + nheads]
+        z, xbc, dt = proj.split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
+        conv_state = cache.conv(self.layer_idx)  # [slots, conv_dim, d_conv - 1]
+        ssm_state = cache.ssm(self.layer_idx)  # [slots, nheads, headdim, d_state]
+        A = -torch.exp(self.A_log.float())  # [nheads]
+        weight, bias = self.conv1d.weight, self.conv1d.bias
+
+        nd = meta.num_decodes
+        ys: list[torch.Tensor] = []
+        if nd:
+            dec = meta.decode_view()
+            xbc_d = k.causal_conv1d_update(
+                xbc[:nd], conv_state, weight, bias, state_indices=dec.state_indices, activation=self.activation
+            )
+            x_d, B_d, C_d = self._split_xbc(xbc_d)
+            ys.append(
+                k.selective_state_update(
+                    ssm_state, x_d, dt[:nd], A, B_d, C_d,
+                    state_indices=dec.state_indices, D=self.D, dt_bias=self.dt_bias,
+                    dt_softplus=True, dt_limit=DECODE_DT_LIMIT,
+                )
+            )
+        if meta.num_prefills:
+            pre = meta.prefill_view()
+            xbc_p = k.causal_conv1d_varlen(
+                xbc[nd:], weight, bias, conv_state,
+                cu_seqlens=pre.query_start_loc, state_indices=pre.state_indices,
+                has_initial_state=pre.has_initial_state, activation=self.activation,
+            )
+            x_p, B_p, C_p = self._split_xbc(xbc_p)
+            scan = k.mamba_chunk_scan_varlen(
+                x_p, dt[nd:], A, B_p, C_p, self.chunk_size,
+                cu_seqlens=pre.query_start_loc, context_lens=pre.context_lens, ssm_state=ssm_state,
+                state_indices=pre.state_indices, has_initial_state=pre.has_initial_state,
+                D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.prefill_dt_limit,
+            )
+            ys.append(scan.out)
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=0)  # [T, nheads, headdim]
+        y = self.norm(y.reshape(T, self.d_inner), z)
+        return self.out_proj(y)

@@ -1,0 +1,59 @@
+"""RMSNorm and the gated, grouped RMSNorm of the Mamba2 mixer, as modules over the kernels.
+
+Both keep the HF parameter name `weight` so checkpoints load by name.  The arithmetic (fp32
+statistics, where the weight multiply happens) is the kernels' business; these modules only hold
+the parameters and the shape facts (eps, group size).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pd_ssm.kernels.dispatch import Kernels
+
+
+class RMSNorm(nn.Module):
+    """y = weight * x / rms(x).  `weight_in_fp32`: NemotronH's order (multiply in fp32, cast once)
+    instead of Mamba2/Bamba's (cast the normalized x to x.dtype, then multiply)."""
+
+    def __init__(self, hidden_size: int, eps: float, kernels: Kernels, *, weight_in_fp32: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.weight_in_fp32 = weight_in_fp32
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden] in x.dtype
+        # NOTE: an fp32 x (Mamba2's fp32 residual stream reaching norm_f) with a bf16 weight: HF's
+        # `weight * x_normed` promotes to fp32, which is what an upcast weight computes, exactly
+        w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        if self.weight_in_fp32:
+            return self.kernels.rms_norm(x, w, self.eps, weight_in_fp32=True)
+        return self.kernels.rms_norm(x, w, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, weight_in_fp32={self.weight_in_fp32}"
+
+
+class GatedRMSNorm(nn.Module):
+    """y = weight * rmsnorm_per_group(x * silu(gate)): the norm between the SSM and out_proj.
+
+    `group_size` = d_inner / n_groups for every architecture transformers >= 5 ships (Mamba2,
+    Bamba, NemotronH); group_size == hidden_size normalizes over the whole row.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, group_size: int, kernels: Kernels) -> None:
+        super().__init__()
+        if hidden_size % group_size != 0:
+            raise ValueError(f"gated norm: group_size {group_size} does not divide {hidden_size}")
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.group_size = group_size
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # [T, d] x2 -> [T, d]
+        return self.kernels.rms_norm_gated(x, gate, self.weight, self.eps, self.group_size)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, group_size={self.group_size}"

@@ -1,0 +1,78 @@
+"""Mamba2ForCausalLM (transformers' `mamba2`): a stack of pre-norm Mamba2 mixer blocks.
+
+Numerics of the reference: each block normalizes `hidden.to(norm dtype)`; with
+`residual_in_fp32` (default True) the residual is upcast to fp32 before the add, so the hidden
+stream is fp32 from the first block on and is rounded to the activation dtype only at the input
+of each norm.  The final norm `norm_f` then sees fp32; the LM head casts to its own dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pd_ssm.cache.pool import CachePool
+from pd_ssm.config import ModelConfig
+from pd_ssm.engine.forward_meta import ForwardMeta
+from pd_ssm.kernels.dispatch import Kernels
+from pd_ssm.layers import Mamba2Mixer, RMSNorm
+from pd_ssm.models.base import CausalLM
+from pd_ssm.models.weights import load_named_weights
+
+
+class Mamba2Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, kernels: Kernels) -> None:
+        super().__init__()
+        self.residual_in_fp32 = config.residual_in_fp32
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.mixer = Mamba2Mixer(
+            config, layer_idx=layer_idx, kernels=kernels, activation=config.hf.get("hidden_act", "silu")
+        )
+
+    def forward(self, hidden: torch.Tensor, meta: ForwardMeta, cache: CachePool) -> torch.Tensor:
+        residual = hidden.float() if self.residual_in_fp32 else hidden
+        out = self.mixer(self.norm(hidden.to(self.norm.weight.dtype)), meta, cache)
+        return residual + out
+
+
+class Mamba2Backbone(nn.Module):
+    def __init__(self, config: ModelConfig, kernels: Kernels) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Mamba2Block(config, i, kernels) for i in range(config.num_layers))
+        self.norm_f = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+
+
+class Mamba2ForCausalLM(CausalLM):
+    def __init__(self, config: ModelConfig, kernels: Kernels) -> None:
+        super().__init__(config, kernels)
+        self.backbone = Mamba2Backbone(config, kernels)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta, cache: CachePool
+    ) -> torch.Tensor:
+        hidden = self.backbone.embeddings(input_ids)
+        for layer in self.backbone.layers:
+            hidden = layer(hidden, meta, cache)
+        return self.backbone.norm_f(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.lm_head.weight
+        return F.linear(hidden.to(weight.dtype), weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        tied = self.config.tie_word_embeddings
+
+        def rename(name: str) -> str | None:
+            if name == "lm_head.weight" and tied:
+                return None  # the embedding matrix serves as the head
+            # checkpoints converted from mamba_ssm spell it `embedding` (HF renames it on load too)
+            return name.replace("backbone.embedding.", "backbone.embeddings.")
+
+        return load_named_weights(self, weights, rename, self.config.architecture)

@@ -1,0 +1,105 @@
+"""End to end: the engine's greedy tokens and per-step logits equal transformers' `generate`.
+
+The step budget is forced small so prompts are prefilled in chunks mixed with other requests'
+decode steps, and the prompt lengths straddle SSM chunk boundaries (chunk size 16).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from pd_ssm import LLM, SamplingParams
+from tests.conftest import TINY, random_prompts
+
+NEW_TOKENS = 32
+LENGTHS = [1, 7, 16, 23, 50, 37]
+
+
+def hf_generate(model: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    ids = torch.tensor([prompt])
+    # no EOS: generation runs n tokens with nothing masked (min_new_tokens would mask EOS, which
+    # changes greedy picks; the engine's ignore_eos does not)
+    model.generation_config.eos_token_id = None
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=n,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logits = torch.stack([lg[0].float() for lg in out.logits])  # [n, vocab]
+    return tokens, logits
+
+
+def record_logits(llm: LLM) -> dict[str, list[torch.Tensor]]:
+    """Wrap the runner so every sampled row's logits are kept, per request, in order."""
+    seen: dict[str, list[torch.Tensor]] = {}
+    runner = llm.engine.runner
+    inner = runner.forward_logits
+
+    def wrapped(sched: Any) -> Any:
+        logits, reqs = inner(sched)
+        for row, req in zip(logits, reqs, strict=True):
+            seen.setdefault(req.req_id, []).append(row.detach().clone())
+        return logits, reqs
+
+    runner.forward_logits = wrapped  # type: ignore[method-assign]
+    return seen
+
+
+def assert_pools_clean(llm: LLM) -> None:
+    cache = llm.engine.cache
+    cache.check()
+    assert cache.num_used_slots == 0 and cache.num_free_blocks == cache.num_blocks
+    assert not llm.engine.requests
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_greedy_matches_transformers(name: str, hf_checkpoint: Any) -> None:
+    path, hf = hf_checkpoint(name)
+    vocab = TINY[name][1]["vocab_size"]
+    prompts = random_prompts(vocab, LENGTHS, seed=hash(name) % 1000)
+    llm = LLM(model=str(path), max_num_seqs=4, max_num_batched_tokens=12, block_size=4, num_kv_blocks=256)
+    seen = record_logits(llm)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert_pools_clean(llm)
+    for prompt, out in zip(prompts, outs, strict=True):
+        ref_tokens, ref_logits = hf_generate(hf, prompt, NEW_TOKENS)
+        assert out.prompt_token_ids == prompt
+        assert out.outputs[0].token_ids == ref_tokens, f"{name}: prompt of {len(prompt)} tokens diverged"
+        assert out.outputs[0].finish_reason == "length"
+        ours = torch.stack(seen[out.request_id])
+        assert ours.shape == ref_logits.shape
+        rel = ((ours - ref_logits).abs().amax(-1) / ref_logits.abs().amax(-1)).max().item()
+        assert rel < 1e-4, f"{name}: last-token logits differ by {rel:.2e} (relative)"
+
+
+@pytest.mark.parametrize("name", ["bamba-attn-middle", "nemotron-h"])
+def test_preemption_keeps_outputs(name: str, hf_checkpoint: Any) -> None:
+    path, _ = hf_checkpoint(name)
+    prompts = random_prompts(384, [20, 33, 9, 41, 27, 14], seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * 3 + [
+        SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=24, ignore_eos=True) for i in range(3)
+    ]
+    roomy = LLM(model=str(path), max_num_seqs=6, max_num_batched_tokens=64, block_size=4, num_kv_blocks=512)
+    ref = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
+    tight = LLM(model=str(path), max_num_seqs=6, max_num_batched_tokens=64, block_size=4, num_kv_blocks=28)
+    preempted = 0
+    orig = tight.engine.scheduler._preempt
+
+    def counting(req: Any, out: Any) -> None:
+        nonlocal preempted
+        preempted += 1
+        orig(req, out)
+
+    tight.engine.scheduler._preempt = counting  # type: ignore[method-assign]
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
+    assert preempted > 0, "the KV pool was sized to force preemption"
+    assert got == ref
+    assert_pools_clean(tight)

@@ -1,0 +1,161 @@
+"""Checkpoint loading: single file and shards, HF name variants, and every error naming its tensor."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from harness import StepRunner, hf_logits, load_pd, make_hf_model, rel_err, save_checkpoint
+from safetensors.torch import load_file, save_file
+
+from pd_ssm.config import ConfigError
+from pd_ssm.kernels.dispatch import get_kernels
+from pd_ssm.models import (
+    MissingWeightsError,
+    UnexpectedWeightsError,
+    UnsupportedArchitectureError,
+    WeightShapeError,
+    get_model_class,
+    load_model,
+    supported_architectures,
+)
+
+FAMILIES = ["mamba2-g1", "bamba-attn-first-last", "nemotron-h"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.Module, Path]]:
+    out = {}
+    for name in FAMILIES:
+        hf = make_hf_model(name)
+        out[name] = (hf, save_checkpoint(hf, tmp_path_factory.mktemp(name)))
+    return out
+
+
+def _copy_with(src: Path, dst: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _prefill_logits(model, prompt: list[int]) -> torch.Tensor:
+    runner = StepRunner(model)
+    runner.add("x", slot=1)
+    return runner.step([("x", prompt, False)])[0]
+
+
+def test_unknown_architecture_lists_supported(tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        get_model_class(["LlamaForCausalLM"])
+    for arch in supported_architectures():
+        assert arch in str(e.value)
+    assert "LlamaForCausalLM" in str(e.value)
+    assert set(supported_architectures()) == {"Mamba2ForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM"}
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 8}))
+    with pytest.raises(ConfigError) as e2:
+        load_model(tmp_path, device="cpu", dtype=torch.float32, kernels=get_kernels("torch", "cpu"))
+    for arch in supported_architectures():
+        assert arch in str(e2.value)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_missing_tensor_is_named(name: str, checkpoints, tmp_path: Path) -> None:
+    _, path = checkpoints[name]
+    tensors = load_file(str(path / "model.safetensors"))
+    dropped = sorted(k for k in tensors if k.endswith("mixer.D") or k.endswith("mamba.D"))[-1]
+    dropped2 = sorted(k for k in tensors if "conv1d.weight" in k)[0]
+    del tensors[dropped], tensors[dropped2]
+    with pytest.raises(MissingWeightsError) as e:
+        load_pd(_copy_with(path, tmp_path / "ckpt", tensors))
+    # the message names the parameters (for these checkpoints they carry the HF names)
+    assert dropped in str(e.value) and dropped2 in str(e.value)
+    assert len(e.value.missing) == 2
+
+
+def test_shape_mismatch_names_tensor_and_shapes(checkpoints, tmp_path: Path) -> None:
+    _, path = checkpoints["bamba-attn-first-last"]
+    tensors = load_file(str(path / "model.safetensors"))
+    name = "model.layers.1.mamba.in_proj.weight"
+    good = tuple(tensors[name].shape)
+    tensors[name] = torch.zeros(good[0] + 6, good[1])  # e.g. an in_proj with extra (d_mlp) columns
+    with pytest.raises(WeightShapeError) as e:
+        load_pd(_copy_with(path, tmp_path / "ckpt", tensors))
+    msg = str(e.value)
+    assert name in msg and str((good[0] + 6, good[1])) in msg and str(good) in msg
+
+
+def test_unexpected_tensor_raises_harmless_ones_skipped(checkpoints, tmp_path: Path) -> None:
+    _, path = checkpoints["mamba2-g1"]
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["backbone.layers.0.mixer.rotary_emb.inv_freq"] = torch.ones(4)  # harmless
+    load_pd(_copy_with(path, tmp_path / "ok", tensors))
+    tensors["backbone.layers.9.mixer.D"] = torch.ones(8)
+    tensors["backbone.layers.0.mixer.extra_thing"] = torch.ones(8)
+    with pytest.raises(UnexpectedWeightsError) as e:
+        load_pd(_copy_with(path, tmp_path / "bad", tensors))
+    assert "backbone.layers.9.mixer.D" in str(e.value) and "backbone.layers.0.mixer.extra_thing" in str(e.value)
+
+
+def test_name_variants_load_the_same_model(checkpoints, tmp_path: Path) -> None:
+    """mamba_ssm's `backbone.embedding`, NemotronH's `model.` trunk and its `mtp.` heads."""
+    prompt = list(range(5, 30))
+    hf, path = checkpoints["mamba2-g1"]
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["backbone.embedding.weight"] = tensors.pop("backbone.embeddings.weight")
+    got = _prefill_logits(load_pd(_copy_with(path, tmp_path / "m2", tensors)), prompt)
+    assert rel_err(got, hf_logits(hf, prompt)).max() < 1e-4
+
+    hf, path = checkpoints["nemotron-h"]
+    tensors = load_file(str(path / "model.safetensors"))
+    renamed = {("model." + k.removeprefix("backbone.")) if k.startswith("backbone.") else k: v for k, v in tensors.items()}
+    renamed["mtp.layers.0.norm.weight"] = torch.ones(64)
+    got = _prefill_logits(load_pd(_copy_with(path, tmp_path / "nh", renamed)), prompt)
+    assert rel_err(got, hf_logits(hf, prompt)).max() < 1e-4
+
+
+def test_missing_files_are_reported(checkpoints, tmp_path: Path) -> None:
+    _, path = checkpoints["mamba2-g1"]
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_pd(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {"backbone.norm_f.weight": "model-00001-of-00002.safetensors"}})
+    )
+    with pytest.raises(FileNotFoundError, match="model-00001-of-00002"):
+        load_pd(tmp_path)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_dummy_load_reads_only_config_and_is_finite(name: str, checkpoints, tmp_path: Path) -> None:
+    _, path = checkpoints[name]
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())  # nothing else on disk
+    kw = dict(device="cpu", dtype=torch.float32, kernels=get_kernels("torch", "cpu"), load_format="dummy")
+    a = load_model(tmp_path, seed=3, **kw)
+    b = load_model(tmp_path, seed=3, **kw)
+    c = load_model(tmp_path, seed=4, **kw)
+    for (n, pa), (_, pb), (_, pc) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters(), strict=True):
+        assert torch.equal(pa, pb), n
+        if pa.dim() == 2:
+            assert not torch.equal(pa, pc), n
+    logits = _prefill_logits(a, list(range(1, 40)))
+    assert logits.shape == (39, a.config.vocab_size)
+    assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_bf16_load_keeps_ssm_params_fp32_and_tracks_fp32(name: str, checkpoints) -> None:
+    _, path = checkpoints[name]
+    model = load_pd(path, dtype=torch.bfloat16)
+    for n, p in model.named_parameters():
+        want = torch.float32 if n.rsplit(".", 1)[-1] in ("A_log", "D", "dt_bias") else torch.bfloat16
+        assert p.dtype == want, n
+    prompt = list(range(7, 47))
+    got = _prefill_logits(model, prompt)
+    ref = _prefill_logits(load_pd(path), prompt)
+    assert torch.isfinite(got).all()
+    # bf16 has ~3 significant digits; 20 layers of rounding stay well inside this
+    assert rel_err(got, ref).max() < 0.1
