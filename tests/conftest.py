@@ -49,6 +49,10 @@ TINY: dict[str, tuple[str, dict[str, Any]]] = {
                                                 num_attention_heads=4, num_key_value_heads=4, head_dim=16,
                                                 intermediate_size=96, mamba_num_heads=4, mamba_head_dim=32,
                                                 ssm_state_size=16, n_groups=1, chunk_size=CHUNK, vocab_size=384)),
+    "nemotron-h-attn-last": ("NemotronH", dict(hidden_size=64, layers_block_type=["mamba", "mlp", "mamba", "attention"],
+                                               num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                               intermediate_size=96, mamba_num_heads=8, mamba_head_dim=16,
+                                               ssm_state_size=16, n_groups=4, chunk_size=CHUNK, vocab_size=384)),
 }
 
 
@@ -89,6 +93,23 @@ def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], t
         return made[name]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def pool_invariants_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every engine step in every test ends with `free + used == total` on both pools."""
+    from pd_ssm.engine.engine import Engine
+
+    inner = Engine.step
+
+    def checked(self: Engine) -> Any:
+        out = inner(self)
+        self.cache.check()
+        held = {r.req_id for r in self.requests.values() if self.cache.holds(r.req_id)}
+        assert self.cache.num_used_slots == len(held), "a slot is held by no live request"
+        return out
+
+    monkeypatch.setattr(Engine, "step", checked)
 
 
 def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:

@@ -67,8 +67,22 @@ def test_greedy_matches_transformers(name: str, hf_checkpoint: Any) -> None:
     prompts = random_prompts(vocab, LENGTHS, seed=hash(name) % 1000)
     llm = LLM(model=str(path), max_num_seqs=4, max_num_batched_tokens=12, block_size=4, num_kv_blocks=256)
     seen = record_logits(llm)
+    mixed_steps, chunks = 0, {}
+    inner = llm.engine.scheduler.schedule
+
+    def spy() -> Any:
+        out = inner()
+        nonlocal mixed_steps
+        mixed_steps += bool(out.decodes and out.prefills)
+        for seq in out.prefills:
+            chunks[seq.request.req_id] = chunks.get(seq.request.req_id, 0) + 1
+        return out
+
+    llm.engine.scheduler.schedule = spy  # type: ignore[method-assign]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     assert_pools_clean(llm)
+    # the test is only meaningful if prefill really was chunked and shared steps with decodes
+    assert mixed_steps >= 3 and max(chunks.values()) >= 4
     for prompt, out in zip(prompts, outs, strict=True):
         ref_tokens, ref_logits = hf_generate(hf, prompt, NEW_TOKENS)
         assert out.prompt_token_ids == prompt
