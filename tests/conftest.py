@@ -18,6 +18,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(min(4, os.cpu_count() or 1))
+# Without a GPU, Triton kernels run in Triton's interpreter (tiny shapes only). It is read when a
+# kernel is decorated, so it must be set before any pd_ssm Triton module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CHUNK = 16
 
