@@ -1,0 +1,225 @@
+"""`pd-ssm bench kernels`: every kernel at Mamba2-2.7B shapes against the ceilings and mamba_ssm.
+
+For each kernel and shape: median time (`triton.testing.do_bench`), the bytes it must move and
+the FLOPs it must do, achieved GB/s and TFLOP/s as a percentage of the ceilings measured in the
+same run (device copy bandwidth, bf16 matmul rate), and the ratio to mamba_ssm's kernel when
+`mamba_ssm` is importable ("baseline not available" otherwise).  Inputs are random, never zeros,
+and small cases rotate through several input sets larger than L2 so the cache is not measured.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+# Mamba2-2.7B
+NH, HD, DS, NG, CHUNK, WIDTH = 80, 64, 128, 1, 256, 4
+D_INNER = NH * HD
+CONV_DIM = D_INNER + 2 * NG * DS
+L2_BYTES = 60 << 20
+
+
+@dataclass(slots=True)
+class Row:
+    kernel: str
+    shape: str
+    ms: float
+    gbps: float
+    pct_copy: float
+    tflops: float
+    pct_mma: float
+    baseline_ms: float | None
+    speedup: float | None
+    note: str = ""
+
+
+def _bench(fn: Callable[[int], Any], n_sets: int) -> float:
+    import triton.testing
+
+    i = [0]
+
+    def call() -> None:
+        fn(i[0] % n_sets)
+        i[0] += 1
+
+    return float(triton.testing.do_bench(call, warmup=50, rep=300, return_mode="median"))
+
+
+def measure_ceilings(dev: torch.device) -> tuple[float, float]:
+    """(copy GB/s counting read + write, bf16 matmul TFLOP/s), measured now."""
+    import triton.testing
+
+    src = torch.randn(512 << 20 >> 2, device=dev)  # 512 MB
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    copy = 2 * src.numel() * 4 / ms / 1e6
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, return_mode="median")
+    return copy, 2 * 8192**3 / ms / 1e9
+
+
+def _sets(nbytes_one: int) -> int:
+    return max(1, min(8, math.ceil(3 * L2_BYTES / max(nbytes_one, 1))))
+
+
+def _baseline() -> Any | None:
+    try:
+        from mamba_ssm.ops.triton import selective_state_update as ssu_mod
+        from mamba_ssm.ops.triton import ssd_combined
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+    return type("Baseline", (), {"ssd": ssd_combined.mamba_chunk_scan_combined, "ssu": ssu_mod.selective_state_update})
+
+
+def bench_ssd(k: Any, base: Any, dev: torch.device, lens: list[int], ctx: list[int]) -> tuple[float, float | None, int, float]:
+    T, S = sum(lens), len(lens)
+    g = torch.Generator(device=dev).manual_seed(0)
+    n = _sets(T * (2 * D_INNER + 4 * DS) * 2)
+
+    def rnd(*shape: int, dtype: torch.dtype = torch.bfloat16, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device=dev) * scale).to(dtype)
+
+    xs = [rnd(T, NH, HD) for _ in range(n)]
+    dts = [rnd(T, NH, scale=0.5) for _ in range(n)]
+    Bs = [rnd(T, NG, DS) for _ in range(n)]
+    Cs = [rnd(T, NG, DS) for _ in range(n)]
+    A = -torch.rand(NH, device=dev, generator=g) * 4 - 0.5
+    D = torch.rand(NH, device=dev, generator=g)
+    dt_bias = torch.rand(NH, device=dev, generator=g) - 3
+    pool = torch.randn(S + 1, NH, HD, DS, device=dev, generator=g)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    cl = torch.tensor(ctx, dtype=torch.int32, device=dev)
+    idx = torch.arange(S, dtype=torch.int32, device=dev)
+    has = cl > 0
+
+    def ours(i: int) -> None:
+        k.mamba_chunk_scan_varlen(xs[i], dts[i], A, Bs[i], Cs[i], CHUNK, cu_seqlens=cu, context_lens=cl,
+                                  ssm_state=pool, state_indices=idx, has_initial_state=has, D=D, dt_bias=dt_bias,
+                                  dt_softplus=True)
+
+    ms = _bench(ours, n)
+    base_ms = None
+    if base is not None:
+        init = torch.randn(S, NH, HD, DS, device=dev, generator=g) if any(ctx) else None
+        if S == 1:
+            def theirs(i: int) -> None:
+                base.ssd(xs[i][None], dts[i][None], A, Bs[i][None], Cs[i][None], CHUNK, D=D, dt_bias=dt_bias,
+                         initial_states=init, dt_softplus=True, return_final_states=True)
+        else:  # the baseline takes per-sequence initial states only as a padded batch
+            L = max(lens)
+            def theirs(i: int) -> None:
+                base.ssd(xs[i].view(S, L, NH, HD), dts[i].view(S, L, NH), A, Bs[i].view(S, L, NG, DS),
+                         Cs[i].view(S, L, NG, DS), CHUNK, D=D, dt_bias=dt_bias, initial_states=init,
+                         dt_softplus=True, return_final_states=True)
+        base_ms = _bench(theirs, n)
+    nbytes = T * (2 * D_INNER * 2 + 2 * NG * DS * 2 + NH * 2) + 2 * S * NH * HD * DS * 4
+    # per head and chunk of L tokens: C B^T (2 L^2 ds), its product with x (2 L^2 hd), the chunk
+    # state (2 L hd ds) and the state's contribution to the output (2 L hd ds)
+    flops = NH * T * (2 * CHUNK * DS + 2 * CHUNK * HD + 4 * HD * DS)
+    return ms, base_ms, nbytes, flops
+
+
+def bench_ssu(k: Any, base: Any, dev: torch.device, batch: int) -> tuple[float, float | None, int, float]:
+    g = torch.Generator(device=dev).manual_seed(1)
+    slots = batch * 2
+    state_bytes = slots * NH * HD * DS * 4
+    n = _sets(state_bytes)
+    pools = [torch.randn(slots, NH, HD, DS, device=dev, generator=g) for _ in range(n)]
+    x = torch.randn(batch, NH, HD, device=dev, generator=g).bfloat16()
+    dt = torch.randn(batch, NH, device=dev, generator=g).bfloat16()
+    A = -torch.rand(NH, device=dev, generator=g) - 0.5
+    B = torch.randn(batch, NG, DS, device=dev, generator=g).bfloat16()
+    C = torch.randn(batch, NG, DS, device=dev, generator=g).bfloat16()
+    D = torch.rand(NH, device=dev, generator=g)
+    dt_bias = torch.rand(NH, device=dev, generator=g) - 3
+    idx = torch.randperm(slots, device=dev, generator=g)[:batch].to(torch.int32)
+
+    def ours(i: int) -> None:
+        k.selective_state_update(pools[i], x, dt, A, B, C, state_indices=idx, D=D, dt_bias=dt_bias, dt_softplus=True)
+
+    ms = _bench(ours, n)
+    base_ms = None
+    if base is not None:
+        A_e = A[:, None, None].expand(NH, HD, DS)
+        dt_e = dt[:, :, None].expand(batch, NH, HD)
+        D_e = D[:, None].expand(NH, HD)
+        bias_e = dt_bias[:, None].expand(NH, HD)
+        base_ms = _bench(lambda i: base.ssu(pools[i], x, dt_e, A_e, B, C, D=D_e, dt_bias=bias_e, dt_softplus=True,
+                                            state_batch_indices=idx), n)
+    nbytes = 2 * batch * NH * HD * DS * 4 + batch * (2 * D_INNER * 2 + 2 * NG * DS * 2)
+    return ms, base_ms, nbytes, 3.0 * batch * NH * HD * DS * 2
+
+
+def bench_conv_update(k: Any, dev: torch.device, batch: int) -> tuple[float, None, int, float]:
+    g = torch.Generator(device=dev).manual_seed(2)
+    slots = batch * 2
+    n = _sets(slots * CONV_DIM * (WIDTH - 1) * 2)
+    pools = [torch.randn(slots, CONV_DIM, WIDTH - 1, device=dev, generator=g).bfloat16() for _ in range(n)]
+    x = torch.randn(batch, CONV_DIM, device=dev, generator=g).bfloat16()
+    w = torch.randn(CONV_DIM, WIDTH, device=dev, generator=g).bfloat16()
+    b = torch.randn(CONV_DIM, device=dev, generator=g).bfloat16()
+    idx = torch.randperm(slots, device=dev, generator=g)[:batch].to(torch.int32)
+    ms = _bench(lambda i: k.causal_conv1d_update(x, pools[i], w, b, state_indices=idx), n)
+    nbytes = batch * CONV_DIM * 2 * (2 * (WIDTH - 1) + 2)
+    return ms, None, nbytes, 2.0 * batch * CONV_DIM * WIDTH
+
+
+def bench_gated_norm(k: Any, dev: torch.device, T: int) -> tuple[float, None, int, float]:
+    g = torch.Generator(device=dev).manual_seed(3)
+    n = _sets(T * D_INNER * 2 * 3)
+    xs = [torch.randn(T, D_INNER, device=dev, generator=g).bfloat16() for _ in range(n)]
+    z = torch.randn(T, D_INNER, device=dev, generator=g).bfloat16()
+    w = torch.rand(D_INNER, device=dev, generator=g).bfloat16()
+    ms = _bench(lambda i: k.rms_norm_gated(xs[i], z, w, 1e-5, D_INNER // NG), n)
+    return ms, None, 3 * T * D_INNER * 2, 6.0 * T * D_INNER
+
+
+def run(json_path: str | None = None) -> list[Row]:
+    if not torch.cuda.is_available():
+        raise RuntimeError("`pd-ssm bench kernels` needs a CUDA device")
+    from pd_ssm.kernels.dispatch import get_kernels
+
+    dev = torch.device("cuda")
+    k = get_kernels("triton", dev)
+    base = _baseline()
+    copy_gbps, mma_tflops = measure_ceilings(dev)
+    cases: list[tuple[str, str, Callable[[], tuple[float, float | None, int, float]]]] = [
+        ("ssd", "1x2048", lambda: bench_ssd(k, base, dev, [2048], [0])),
+        ("ssd", "1x8192", lambda: bench_ssd(k, base, dev, [8192], [0])),
+        ("ssd", "1x32768", lambda: bench_ssd(k, base, dev, [32768], [0])),
+        ("ssd", "16x1024 init, aligned", lambda: bench_ssd(k, base, dev, [1024] * 16, [256 * (i + 1) for i in range(16)])),
+        ("ssd", "16x1024 init, mid-chunk", lambda: bench_ssd(k, base, dev, [1024] * 16, [37 * i + 5 for i in range(16)])),
+    ]
+    for b in (1, 64, 256):
+        cases.append(("selective_state_update", f"batch {b}", lambda b=b: bench_ssu(k, base, dev, b)))
+    for b in (1, 256):
+        cases.append(("causal_conv1d_update", f"batch {b}", lambda b=b: bench_conv_update(k, dev, b)))
+    cases.append(("rms_norm_gated", "2048 tokens", lambda: bench_gated_norm(k, dev, 2048)))
+    rows: list[Row] = []
+    for name, shape, fn in cases:
+        ms, base_ms, nbytes, flops = fn()
+        gbps = nbytes / ms / 1e6
+        tflops = flops / ms / 1e9
+        rows.append(Row(name, shape, ms, gbps, 100 * gbps / copy_gbps, tflops, 100 * tflops / mma_tflops,
+                        base_ms, base_ms / ms if base_ms else None,
+                        "" if base is not None or name not in ("ssd", "selective_state_update")
+                        else "baseline not available"))
+    print(f"ceilings: copy {copy_gbps:.0f} GB/s, bf16 matmul {mma_tflops:.0f} TFLOP/s")
+    print(f"{'kernel':<24}{'shape':<26}{'ms':>9}{'GB/s':>9}{'%copy':>7}{'TFLOP/s':>9}{'%mma':>6}"
+          f"{'mamba_ssm ms':>14}{'speedup':>9}")
+    for r in rows:
+        bms = f"{r.baseline_ms:.4f}" if r.baseline_ms else (r.note or "-")
+        sp = f"{r.speedup:.2f}x" if r.speedup else "-"
+        print(f"{r.kernel:<24}{r.shape:<26}{r.ms:>9.4f}{r.gbps:>9.0f}{r.pct_copy:>7.1f}{r.tflops:>9.1f}"
+              f"{r.pct_mma:>6.1f}{bms:>14}{sp:>9}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"copy_gbps": copy_gbps, "bf16_mma_tflops": mma_tflops, "device": torch.cuda.get_device_name(),
+                       "rows": [asdict(r) for r in rows]}, f, indent=2)
+    return rows
