@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -19,7 +20,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=1024)
     p.add_argument("--mamba-ssm-cache-dtype", default="float32")
     p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy: random weights of the real sizes (only config.json is read)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU's memory for weights, activations, graphs and cache pools (CUDA)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -37,6 +42,8 @@ def _generate(args: argparse.Namespace) -> int:
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         kernel_backend=args.kernel_backend,
         load_format=args.load_format,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
     )
     params = SamplingParams(
         temperature=args.temperature,
@@ -61,6 +68,70 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench_engine(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("engine", help="whole-model prefill and decode steps against their roofline floors (CUDA)")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: Mamba2-2.7B shape, dummy weights)")
+    p.add_argument("--load-format", default=None, choices=["auto", "safetensors", "dummy"],
+                   help="default: dummy without --model, auto with it")
+    p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--mamba-ssm-cache-dtype", default="float32")
+    p.add_argument("--prefill-tokens", type=int, default=2048)
+    p.add_argument("--prefill-runs", type=int, default=7)
+    p.add_argument("--batch-sizes", default="1,32,128", help="decode batch sizes, comma-separated")
+    p.add_argument("--decode-steps", type=int, default=60, help="timed decode steps per batch size")
+    p.add_argument("--warmup-steps", type=int, default=8)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs")
+    p.add_argument("--json", default=None, metavar="FILE", help="write every figure to FILE")
+    p.set_defaults(func=_bench_engine)
+
+
+def _add_bench_kernels(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("kernels", help="every kernel at Mamba2-2.7B shapes vs the ceilings and mamba_ssm (CUDA)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write every figure to FILE")
+    p.set_defaults(func=_bench_kernels)
+
+
+def _bench_kernels(args: argparse.Namespace) -> int:
+    import torch
+
+    from pd_ssm.bench.kernels import run
+
+    if not torch.cuda.is_available():
+        print("pd-ssm: error: `bench kernels` needs a CUDA device", file=sys.stderr)
+        return 2
+    run(args.json)
+    return 0
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    import json
+
+    from pd_ssm.bench.engine import BenchError, EngineBenchOptions, format_table, run_engine_bench
+
+    opts = EngineBenchOptions(
+        model=args.model, load_format=args.load_format, kernel_backend=args.kernel_backend, dtype=args.dtype,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, prefill_tokens=args.prefill_tokens,
+        prefill_runs=args.prefill_runs, batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
+        decode_steps=args.decode_steps, warmup_steps=args.warmup_steps,
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+    )
+    def progress(row: Any) -> None:
+        print(f"[bench] {row.name}: {row.measured_ms:.3f} ms (floor {row.floor_ms:.3f} ms)", file=sys.stderr, flush=True)
+
+    try:
+        result = run_engine_bench(opts, on_row=progress)
+    except BenchError as e:
+        print(f"pd-ssm: error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pd-ssm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -73,14 +144,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
+    bench = sub.add_parser("bench", help="benchmarks on a CUDA device").add_subparsers(dest="bench", required=True)
+    _add_bench_engine(bench)
+    _add_bench_kernels(bench)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return _generate(args)
-    except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
+        if args.command == "bench":
+            return int(args.func(args))
+    except Exception as e:  # bad input or a setup this machine cannot run: one clear line, no traceback
+        if not _is_setup_error(e):
+            raise
         print(f"pd-ssm: error: {e}", file=sys.stderr)
         return 2
     return 1
+
+
+def _is_setup_error(e: Exception) -> bool:
+    from pd_ssm.engine.cuda_graphs import GraphCaptureError
+    from pd_ssm.engine.memory_plan import InsufficientMemoryError
+    from pd_ssm.kernels.dispatch import KernelNotAvailable
+
+    return isinstance(e, (ValueError, FileNotFoundError, GraphCaptureError, InsufficientMemoryError,
+                          KernelNotAvailable))
 
 
 if __name__ == "__main__":

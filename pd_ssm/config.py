@@ -384,6 +384,13 @@ class EngineConfig:
     seed: int = 0  # seed of dummy weights
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # vLLM's meaning: the fraction of the GPU's total memory this engine may use (weights,
+    # activations, CUDA graphs and the cache pools); the pools get what the rest leaves. CUDA only:
+    # on the CPU the pools keep the explicit sizes of `cache`.
+    gpu_memory_utilization: float = 0.9
+    # vLLM's name: True runs every step eagerly; False captures CUDA graphs for decode-only steps
+    # (CUDA only; the CPU always runs eagerly)
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "safetensors", "dummy"):
@@ -392,6 +399,8 @@ class EngineConfig:
             raise ValueError(f"kernel_backend must be auto, torch or triton, got {self.kernel_backend!r}")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         dev = torch.device(self.device)
         if dev.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
@@ -400,3 +409,7 @@ class EngineConfig:
 
     def resolve_dtype(self, model: ModelConfig) -> torch.dtype:
         return model.dtype if self.dtype == "auto" else parse_dtype(self.dtype)
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return torch.device(self.device).type == "cuda" and not self.enforce_eager

@@ -9,6 +9,7 @@ and small cases rotate through several input sets larger than L2 so the cache is
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -197,9 +198,9 @@ def run(json_path: str | None = None) -> list[Row]:
         ("ssd", "16x1024 init, mid-chunk", lambda: bench_ssd(k, base, dev, [1024] * 16, [37 * i + 5 for i in range(16)])),
     ]
     for b in (1, 64, 256):
-        cases.append(("selective_state_update", f"batch {b}", lambda b=b: bench_ssu(k, base, dev, b)))
+        cases.append(("selective_state_update", f"batch {b}", functools.partial(bench_ssu, k, base, dev, b)))
     for b in (1, 256):
-        cases.append(("causal_conv1d_update", f"batch {b}", lambda b=b: bench_conv_update(k, dev, b)))
+        cases.append(("causal_conv1d_update", f"batch {b}", functools.partial(bench_conv_update, k, dev, b)))
     cases.append(("rms_norm_gated", "2048 tokens", lambda: bench_gated_norm(k, dev, 2048)))
     rows: list[Row] = []
     for name, shape, fn in cases:

@@ -3,10 +3,16 @@
 Roles come from composition: a colocated engine has both managers and hands a request whose
 prefill is done straight to its decode batch.  `export_request` / `import_request` move a request
 with its StatePages between engines (what the disaggregated workers build on).
+
+On CUDA the engine sizes its pools from `gpu_memory_utilization` after loading the weights and
+profiling a step (memory_plan.py), and captures CUDA graphs for decode-only steps unless
+`enforce_eager` (cuda_graphs.py); on the CPU the pools keep CacheConfig's sizes and every step
+runs eagerly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
@@ -18,7 +24,16 @@ from pd_ssm.cache.manager import CacheManager
 from pd_ssm.cache.pages import RequestState, StatePages, export_pages, import_pages
 from pd_ssm.cache.pool import CachePool
 from pd_ssm.config import EngineConfig, ModelConfig
+from pd_ssm.engine.cuda_graphs import DecodeGraphs, capture_sizes, check_capturable, table_width
 from pd_ssm.engine.decode_manager import DecodeManager
+from pd_ssm.engine.memory_plan import (
+    CachePlan,
+    MemorySnapshot,
+    kv_block_bytes,
+    plan_pools,
+    profile_memory,
+    state_slot_bytes,
+)
 from pd_ssm.engine.output_processor import OutputProcessor
 from pd_ssm.engine.prefill_manager import PrefillManager
 from pd_ssm.engine.request import Request, Status
@@ -49,6 +64,10 @@ class Engine:
         mc = self.model_config
         self.dtype = config.resolve_dtype(mc)
         self.kernels = get_kernels(config.kernel_backend, self.device)  # type: ignore[arg-type]
+        use_graphs = config.use_cuda_graphs
+        if use_graphs:
+            check_capturable(self.kernels, mc)
+        start = MemorySnapshot.take(self.device) if self.device.type == "cuda" else None
         self.model = load_model(
             config.model,
             device=self.device,
@@ -57,11 +76,24 @@ class Engine:
             load_format=config.load_format,
             seed=config.seed,
         )
-        cc = config.cache
-        self.pool = CachePool(mc, cc, self.device, self.dtype)
         uses_kv = bool(mc.attention_layer_ids)
-        self.cache = CacheManager(cc.num_state_slots, cc.num_kv_blocks, cc.block_size, uses_kv)
         declared = config.scheduler.max_model_len or mc.max_position_embeddings or _UNBOUNDED_LEN
+        graph_sizes = capture_sizes(config.scheduler.max_num_seqs) if use_graphs else []
+        cc = config.cache
+        self.memory_plan: CachePlan | None = None
+        if start is not None:  # CUDA: the pools take what gpu_memory_utilization leaves
+            self.memory_plan = self._plan_pools(start, declared, graph_sizes)
+            log.info(self.memory_plan.describe())
+            cc = dataclasses.replace(
+                cc, num_state_slots=self.memory_plan.num_state_slots, num_kv_blocks=self.memory_plan.num_kv_blocks
+            )
+        # NOTE: with CUDA graphs the pool has one slot past the manager's: the scratch slot that
+        # padded graph rows write into, never handed out
+        scratch = 1 if use_graphs else 0
+        self.pool = CachePool(
+            mc, dataclasses.replace(cc, num_state_slots=cc.num_state_slots + scratch), self.device, self.dtype
+        )
+        self.cache = CacheManager(cc.num_state_slots, cc.num_kv_blocks, cc.block_size, uses_kv)
         kv_tokens = cc.num_kv_blocks * cc.block_size if uses_kv else declared
         self.max_model_len = min(declared, kv_tokens)
         self.scheduler = Scheduler(
@@ -71,12 +103,41 @@ class Engine:
             DecodeManager(self.cache),
         )
         self.runner = ModelRunner(self.model, self.pool, self.cache, self.device)
+        if use_graphs:
+            self.runner.graphs = DecodeGraphs(
+                self.model, self.pool, sizes=graph_sizes, scratch_slot=cc.num_state_slots,
+                width=table_width(self.max_model_len, cc.block_size, uses_kv),
+            )
+            log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(graph_sizes), graph_sizes,
+                     self.runner.graphs.capture_seconds)
         self.tokenizer: Tokenizer = load_tokenizer(
             Path(config.model), vocab_size=mc.vocab_size, eos_token_ids=mc.eos_token_ids, bos_token_id=mc.bos_token_id
         )
         self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+
+    def _plan_pools(self, start: MemorySnapshot, declared_len: int, graph_sizes: list[int]) -> CachePlan:
+        """Profile the steps this engine will run, then size the pools from what is left."""
+        mc, cc, sc = self.model_config, self.config.cache, self.config.scheduler
+        uses_kv = bool(mc.attention_layer_ids)
+        profile = profile_memory(
+            self.model, cc, self.dtype, start,
+            num_tokens=min(sc.max_num_batched_tokens, declared_len),
+            num_sampled_rows=sc.max_num_seqs,
+            graph_size=graph_sizes[-1] if graph_sizes else 0,
+            graph_width=table_width(declared_len, cc.block_size, uses_kv),
+        )
+        return plan_pools(
+            profile,
+            utilization=self.config.gpu_memory_utilization,
+            num_slots=sc.max_num_seqs,
+            num_scratch=1 if graph_sizes else 0,
+            slot_bytes=state_slot_bytes(mc, cc, self.dtype),
+            block_bytes=kv_block_bytes(mc, cc, self.dtype),
+            uses_kv=uses_kv,
+            max_useful_blocks=sc.max_num_seqs * -(-declared_len // cc.block_size),
+        )
 
     # --- requests ------------------------------------------------------------------------
     def add_request(

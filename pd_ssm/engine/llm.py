@@ -36,6 +36,8 @@ class LLM:
         kernel_backend: str = "auto",
         load_format: str = "auto",
         seed: int = 0,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
     ) -> None:
         if model is None:
             from pd_ssm.default_model import default_model_dir
@@ -48,6 +50,8 @@ class LLM:
             load_format=load_format,
             kernel_backend=kernel_backend,
             seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
             cache=CacheConfig(
                 num_state_slots=num_state_slots or max_num_seqs,
                 num_kv_blocks=num_kv_blocks,

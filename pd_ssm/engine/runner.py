@@ -3,6 +3,10 @@
 Host-side metadata is built in Python lists once per step and copied to the device in one go per
 tensor; the model sees only `ForwardMeta`.  Logits are computed only for the sequences whose
 pending tokens are all fed this step (the others are mid-prefill and sample nothing).
+
+Decode-only steps go through `graphs` (cuda_graphs.DecodeGraphs) when the engine captured them and
+the batch fits the largest bucket; steps with a prefill chunk, and every step on the CPU or with
+enforce_eager, run eagerly.  Both paths return the same logits for the same batch.
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ import torch
 
 from pd_ssm.cache.manager import CacheManager
 from pd_ssm.cache.pool import CachePool
+from pd_ssm.engine.cuda_graphs import DecodeGraphs, DecodeRows
 from pd_ssm.engine.forward_meta import ForwardMeta
 from pd_ssm.engine.request import Request
 from pd_ssm.engine.sampler import Sampler
-from pd_ssm.engine.schedule_types import SchedulerOutput
+from pd_ssm.engine.schedule_types import ScheduledSeq, SchedulerOutput
 from pd_ssm.models.base import CausalLM
 
 
@@ -32,6 +37,7 @@ class ModelRunner:
         self.cache = cache
         self.device = device
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None  # set by the engine after capture (CUDA only)
 
     def build(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, ForwardMeta, list[int]]:
         """(input_ids, positions, meta, rows to sample) for the step."""
@@ -89,9 +95,35 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
         return input_ids, pos, meta, sample_rows
 
+    def decode_rows(self, decodes: list[ScheduledSeq]) -> DecodeRows:
+        """Host values of a decode-only batch (what `build` computes, without the generality)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        bs = self.cache.block_size
+        uses_kv = self.cache.uses_kv
+        for req, _ in decodes:
+            pos = req.num_computed_tokens  # the one pending token is the last one
+            ids.append(req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1])
+            positions.append(pos)
+            slots.append(self.cache.slot(req.req_id))
+            if uses_kv:
+                table = self.cache.block_table(req.req_id)
+                tables.append(table)
+                slot_mapping.append(table[pos // bs] * bs + pos % bs)
+            else:
+                tables.append([])
+                slot_mapping.append(-1)
+        return DecodeRows(ids, positions, slot_mapping, slots, tables)
+
     @torch.inference_mode()
     def forward_logits(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
         """Run the step; return [N, vocab] fp32 logits for the N requests that sample, and them."""
+        if self.graphs is not None and not sched.prefills and self.graphs.can_run(len(sched.decodes)):
+            # every decode row samples: its one pending token is fed
+            return self.graphs.run(self.decode_rows(sched.decodes)), [seq.request for seq in sched.decodes]
         input_ids, positions, meta, rows = self.build(sched)
         hidden = self.model(input_ids, positions, meta, self.pool)
         sampling = [seq.request for seq in sched.seqs if seq.request.num_computed_tokens + seq.num_new_tokens

@@ -12,6 +12,7 @@ run on the GPU only when asked for (`kernel_backend="torch"`).
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from types import MappingProxyType
@@ -67,15 +68,36 @@ _TORCH_KERNELS: Mapping[str, Callable[..., Any]] = MappingProxyType({
     "paged_decode_attention": paged_decode_attention_ref,
 })
 
-# NOTE: each Triton kernel is registered here by name as it lands beside its reference
-_TRITON_KERNELS: Mapping[str, Callable[..., Any]] = MappingProxyType({})
+def _triton_kernels() -> dict[str, Callable[..., Any]]:
+    """The Triton implementations, imported on first use (importing them loads Triton)."""
+    from pd_ssm.kernels.attention_triton import (
+        paged_decode_attention_triton,
+        varlen_prefill_attention_triton,
+        write_kv_cache_triton,
+    )
+    from pd_ssm.kernels.conv1d_triton import causal_conv1d_update_triton, causal_conv1d_varlen_triton
+    from pd_ssm.kernels.rmsnorm_triton import rms_norm_gated_triton, rms_norm_triton
+    from pd_ssm.kernels.ssd_triton import mamba_chunk_scan_varlen_triton
+    from pd_ssm.kernels.ssu_triton import selective_state_update_triton
+
+    return {
+        "mamba_chunk_scan_varlen": mamba_chunk_scan_varlen_triton,
+        "causal_conv1d_varlen": causal_conv1d_varlen_triton,
+        "causal_conv1d_update": causal_conv1d_update_triton,
+        "selective_state_update": selective_state_update_triton,
+        "rms_norm": rms_norm_triton,
+        "rms_norm_gated": rms_norm_gated_triton,
+        "write_kv_cache": write_kv_cache_triton,
+        "varlen_prefill_attention": varlen_prefill_attention_triton,
+        "paged_decode_attention": paged_decode_attention_triton,
+    }
 
 
 def get_kernels(backend: KernelBackend, device: torch.device | str) -> Kernels:
     """The kernels of `backend` for `device`; "auto" is Triton on CUDA and torch anywhere else.
 
-    Raises KernelNotAvailable, naming the missing kernels, when Triton is asked for (explicitly or
-    through "auto" on CUDA) and some kernel has no Triton implementation.
+    Triton needs a CUDA device, or Triton's interpreter (TRITON_INTERPRET=1, tiny shapes, tests);
+    asking for it elsewhere raises KernelNotAvailable rather than falling back to the references.
     """
     device = torch.device(device)
     if backend == "auto":
@@ -83,13 +105,22 @@ def get_kernels(backend: KernelBackend, device: torch.device | str) -> Kernels:
     if backend == "torch":
         return Kernels(backend="torch", **_TORCH_KERNELS)
     if backend == "triton":
-        missing = [name for name in KERNEL_NAMES if name not in _TRITON_KERNELS]
-        if missing:
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise KernelNotAvailable(
-                f"no Triton kernel yet for {', '.join(missing)} (backend 'triton' on {device}); "
-                "kernel_backend='torch' runs the pure-torch reference kernels, on the GPU as well"
+                f"Triton kernels need a CUDA device, not {device} (or TRITON_INTERPRET=1 for tests); "
+                "kernel_backend='torch' runs the pure-torch reference kernels"
             )
-        return Kernels(backend="triton", **_TRITON_KERNELS)
+        try:
+            impls = _triton_kernels()
+        except ImportError as e:
+            raise KernelNotAvailable(
+                f"the Triton kernels cannot be imported ({e}); install triton, or pass "
+                "kernel_backend='torch' to run the pure-torch reference kernels"
+            ) from e
+        missing = [name for name in KERNEL_NAMES if name not in impls]
+        if missing:
+            raise KernelNotAvailable(f"no Triton kernel for {', '.join(missing)}")
+        return Kernels(backend="triton", **impls)
     raise ValueError(f"kernel backend must be one of 'auto', 'torch', 'triton', got {backend!r}")
 
 

@@ -1,0 +1,298 @@
+"""`pd-ssm bench engine`: whole-model prefill and decode steps against their roofline floors.
+
+The model is Mamba2-2.7B-shaped with dummy weights (or `--model DIR`), bf16 activations, fp32
+SSM state, on CUDA.  Every timed step is a real `Engine.step()` (schedule -> run -> sample ->
+outputs) on synthetic requests of random tokens; the step ends with the sampler's device->host
+read, so the host clock around it measures the whole step.
+
+  prefill   one request of `prefill_tokens` tokens, batch 1, max_tokens 1: one step prefills it
+            and samples its first token; median of several runs
+  decode    `batch` requests past their prefill; median ms/step over many steady-state steps,
+            through the CUDA graphs unless --enforce-eager
+
+Floors (ceilings measured in the same run, TARGETS.md):
+  decode    (weight bytes + state bytes read and written + KV bytes read and written) / copy
+            bandwidth; weights count once per step (an untied embedding only for the rows read)
+  prefill   the larger of the same memory floor and the matmul floor, 2 · tokens · (parameters of
+            the linear layers) / bf16 matmul rate (the SSD scan's few % of FLOPs left out)
+Targets: decode <= 1.25 x floor; prefill of 2048 tokens <= 30 ms.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+# Mamba2-2.7B (state-spaces/mamba2-2.7b) in transformers' Mamba2Config names
+MAMBA2_2_7B: dict[str, Any] = {
+    "architectures": ["Mamba2ForCausalLM"],
+    "model_type": "mamba2",
+    "hidden_size": 2560,
+    "num_hidden_layers": 64,
+    "num_heads": 80,
+    "head_dim": 64,
+    "expand": 2,
+    "state_size": 128,
+    "n_groups": 1,
+    "chunk_size": 256,
+    "conv_kernel": 4,
+    "vocab_size": 50288,
+    "tie_word_embeddings": True,
+    "residual_in_fp32": True,
+    "use_bias": False,
+    "use_conv_bias": True,
+    "layer_norm_epsilon": 1e-5,
+    "hidden_act": "silu",
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "pad_token_id": 0,
+    "dtype": "bfloat16",
+}
+
+DECODE_TARGET = 1.25  # x floor
+PREFILL_TARGET_MS = 30.0  # for 2048 tokens
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot run here; the message says why."""
+
+
+@dataclass(slots=True)
+class EngineBenchOptions:
+    model: str | None = None  # None: the Mamba2-2.7B shape above, dummy weights
+    load_format: str | None = None  # None: dummy without --model, auto with it
+    kernel_backend: str = "auto"
+    dtype: str = "bfloat16"
+    mamba_ssm_cache_dtype: str = "float32"
+    prefill_tokens: int = 2048
+    prefill_runs: int = 7
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 32, 128])
+    decode_steps: int = 60
+    warmup_steps: int = 8
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class BenchRow:
+    name: str
+    measured_ms: float
+    floor_ms: float
+    floor_kind: str  # "memory" | "matmul"
+    target: str
+    met: bool
+    bytes_moved: int
+    note: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return self.measured_ms / self.floor_ms
+
+
+@dataclass(frozen=True, slots=True)
+class ModelBytes:
+    """What one step must move or compute, per model (from the built model, not from a formula)."""
+
+    weights: int  # read once per decode step (an untied embedding table only for its rows)
+    embedding_row: int  # bytes of one embedding row (untied: read per sequence)
+    untied_embedding: int  # bytes of an untied embedding table (0 when tied to the LM head)
+    linear_params: int  # parameters of the matmuls every prompt token goes through (not the LM head)
+    slot: int  # one state slot, all SSM layers
+    kv_token: int  # K and V of one token, all attention layers
+
+
+def model_bytes(model: nn.Module, slot_bytes: int, kv_token_bytes: int) -> ModelBytes:
+    params = list(model.parameters())  # NOTE: tied parameters appear once
+    total = sum(p.numel() * p.element_size() for p in params)
+    head = getattr(model, "lm_head", None)
+    untied, row = 0, 0
+    # NOTE: the LM head multiplies only the rows that sample, not every prompt token
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and m is not head)
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            row = m.weight.shape[1] * m.weight.element_size()
+            if head is None or head.weight is not m.weight:
+                untied += m.weight.numel() * m.weight.element_size()
+    return ModelBytes(weights=total - untied, embedding_row=row, untied_embedding=untied, linear_params=linear,
+                      slot=slot_bytes, kv_token=kv_token_bytes)
+
+
+def decode_floor_bytes(mb: ModelBytes, batch: int, kv_tokens_read: int = 0) -> int:
+    """Bytes a decode step of `batch` sequences must move: the weights once, each sequence's state
+    read and written, the KV it attends over read and its new token's KV written."""
+    untied_rows = batch * mb.embedding_row if mb.untied_embedding else 0
+    return mb.weights + untied_rows + 2 * batch * mb.slot + (kv_tokens_read + batch) * mb.kv_token
+
+
+def prefill_floor(mb: ModelBytes, tokens: int, copy_bytes_per_s: float, matmul_flops_per_s: float) -> tuple[float, str, int]:
+    """(floor seconds, "memory" | "matmul", bytes) of prefilling `tokens` tokens of one sequence."""
+    untied_rows = tokens * mb.embedding_row if mb.untied_embedding else 0
+    nbytes = mb.weights + untied_rows + mb.slot + tokens * mb.kv_token
+    mem_s = nbytes / copy_bytes_per_s
+    mma_s = 2.0 * tokens * mb.linear_params / matmul_flops_per_s
+    return (mma_s, "matmul", nbytes) if mma_s > mem_s else (mem_s, "memory", nbytes)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    rows = [BenchRow(**r) for r in result["rows"]]
+    head = (
+        f"pd-ssm bench engine: {result['device']}, {result['model']} ({result['params'] / 1e9:.2f} G params, "
+        f"{result['load_format']}), {result['dtype']}, SSM state {result['mamba_ssm_cache_dtype']}, "
+        f"kernels {result['kernel_backend']}, CUDA graphs {'on' if result['cuda_graphs'] else 'off'}\n"
+        f"ceilings: copy {result['copy_gbps']:.0f} GB/s, bf16 matmul {result['matmul_tflops']:.0f} TFLOP/s"
+    )
+    lines = [head, f"{'step':<28}{'ms':>10}{'floor ms':>10}{'floor':>8}{'x floor':>9}  {'target':<16}{'met':<4}"]
+    for r in rows:
+        lines.append(f"{r.name:<28}{r.measured_ms:>10.3f}{r.floor_ms:>10.3f}{r.floor_kind:>8}{r.ratio:>9.2f}  "
+                     f"{r.target:<16}{'yes' if r.met else 'no':<4}{('  ' + r.note) if r.note else ''}")
+    return "\n".join(lines)
+
+
+def _median_ms(seconds: list[float]) -> float:
+    return 1e3 * statistics.median(seconds)
+
+
+def run_engine_bench(opts: EngineBenchOptions, on_row: Callable[[BenchRow], None] | None = None) -> dict[str, Any]:
+    """Build the engine, measure the ceilings and every step; `on_row` sees each row as it is done."""
+    if not torch.cuda.is_available():
+        raise BenchError("`pd-ssm bench engine` needs a CUDA device; torch sees none here")
+    from pd_ssm.bench.kernels import measure_ceilings
+    from pd_ssm.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pd_ssm.engine.engine import Engine
+    from pd_ssm.engine.memory_plan import kv_block_bytes, state_slot_bytes
+
+    dev = torch.device("cuda")
+    copy_gbps, mma_tflops = measure_ceilings(dev)  # before the engine takes its share of memory
+    torch.cuda.empty_cache()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = opts.model
+        if model_dir is None:
+            (Path(tmp) / "config.json").write_text(json.dumps(MAMBA2_2_7B))
+            model_dir = tmp
+        load_format = opts.load_format or ("dummy" if opts.model is None else "auto")
+        max_batch = max(opts.batch_sizes)
+        config = EngineConfig(
+            model=model_dir,
+            device="cuda",
+            dtype=opts.dtype,
+            load_format=load_format,
+            kernel_backend=opts.kernel_backend,
+            seed=opts.seed,
+            gpu_memory_utilization=opts.gpu_memory_utilization,
+            enforce_eager=opts.enforce_eager,
+            cache=CacheConfig(mamba_ssm_cache_dtype=opts.mamba_ssm_cache_dtype),  # type: ignore[arg-type]
+            scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=max(opts.prefill_tokens, 2048)),
+        )
+        t0 = time.perf_counter()
+        engine = Engine(config)
+        build_s = time.perf_counter() - t0
+    mc, cc = engine.model_config, engine.config.cache
+    bs = cc.block_size
+    mb = model_bytes(engine.model, state_slot_bytes(mc, cc, engine.dtype), kv_block_bytes(mc, cc, engine.dtype) // bs)
+    copy_bps, mma_fps = copy_gbps * 1e9, mma_tflops * 1e12
+    gen = torch.Generator().manual_seed(opts.seed)
+    vocab = mc.vocab_size
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(1, vocab, (n,), generator=gen).tolist()
+
+    from pd_ssm.sampling_params import SamplingParams
+
+    # the runner's share of each step (model + sampler), beside the whole step (+ schedule, outputs)
+    runner_clock: list[float] = []
+    run_step = engine.runner.step
+
+    def timed_run(sched: Any) -> Any:
+        t0 = time.perf_counter()
+        out = run_step(sched)
+        runner_clock.append(time.perf_counter() - t0)
+        return out
+
+    engine.runner.step = timed_run  # type: ignore[method-assign]
+    rows: list[BenchRow] = []
+    # --- prefill -------------------------------------------------------------------------
+    T = opts.prefill_tokens
+    times: list[float] = []
+    run_times: list[float] = []
+    for i in range(opts.prefill_runs + 2):
+        engine.add_request(prompt(T), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t0
+        if not (len(outs) == 1 and outs[0].finished):
+            raise BenchError(f"the {T}-token prefill did not finish in one step (max_num_batched_tokens too small?)")
+        if i >= 2:  # the first two warm up (allocator, kernel compilation)
+            times.append(dt)
+            run_times.append(runner_clock[-1])
+        runner_clock.clear()
+    floor_s, kind, nbytes = prefill_floor(mb, T, copy_bps, mma_fps)
+    ms = _median_ms(times)
+    target_ms = PREFILL_TARGET_MS * T / 2048
+    rows.append(BenchRow(f"prefill {T} tok, batch 1", ms, 1e3 * floor_s, kind, f"<= {target_ms:.0f} ms",
+                         ms <= target_ms, nbytes, f"run+sample {_median_ms(run_times):.3f} ms"))
+    if on_row is not None:
+        on_row(rows[-1])
+    # --- decode --------------------------------------------------------------------------
+    graphs = engine.runner.graphs
+    for batch in opts.batch_sizes:
+        params = SamplingParams(temperature=0, max_tokens=opts.warmup_steps + opts.decode_steps + 4, ignore_eos=True)
+        ids = [engine.add_request(prompt(16), params).req_id for _ in range(batch)]
+        sched = engine.scheduler
+        while sched.num_waiting or (sched.prefill is not None and sched.prefill.prefilling):
+            engine.step()
+        for _ in range(opts.warmup_steps):
+            engine.step()
+        runner_clock.clear()
+        replays = graphs.replays if graphs is not None else 0
+        kv_read = sum(engine.requests[r].num_tokens for r in ids)  # context attended over, first timed step
+        times, run_times = [], []
+        for _ in range(opts.decode_steps):
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+            run_times.append(runner_clock.pop())
+        via_graphs = graphs is not None and graphs.replays - replays == opts.decode_steps
+        for req_id in ids:
+            engine.abort(req_id)
+        # NOTE: the KV read grows by `batch` tokens a step; take the middle of the window
+        nbytes = decode_floor_bytes(mb, batch, kv_read + batch * opts.decode_steps // 2)
+        ms = _median_ms(times)
+        floor_ms = 1e3 * nbytes / copy_bps
+        note = f"run+sample {_median_ms(run_times):.3f} ms" + ("" if via_graphs else ", eager")
+        rows.append(BenchRow(f"decode batch {batch}", ms, floor_ms, "memory", f"<= {DECODE_TARGET} x floor",
+                             ms <= DECODE_TARGET * floor_ms, nbytes, note))
+        if on_row is not None:
+            on_row(rows[-1])
+    params_count = sum(p.numel() for p in engine.model.parameters())
+    return {
+        "device": torch.cuda.get_device_name(dev),
+        "torch": torch.__version__,
+        "model": opts.model or "Mamba2-2.7B shape",
+        "architecture": mc.architecture,
+        "params": params_count,
+        "load_format": load_format,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "mamba_ssm_cache_dtype": str(cc.mamba_ssm_cache_dtype).removeprefix("torch."),
+        "kernel_backend": engine.kernels.backend,
+        "cuda_graphs": graphs is not None,
+        "graph_sizes": graphs.sizes if graphs is not None else [],
+        "graph_capture_s": graphs.capture_seconds if graphs is not None else 0.0,
+        "engine_build_s": build_s,
+        "memory_plan": engine.memory_plan.describe() if engine.memory_plan is not None else None,
+        "copy_gbps": copy_gbps,
+        "matmul_tflops": mma_tflops,
+        "model_bytes": asdict(mb),
+        "options": asdict(opts),
+        "rows": [asdict(r) for r in rows],
+    }

@@ -1,0 +1,139 @@
+"""Triton RMSNorm and the Mamba2 gated, grouped RMSNorm: one kernel, one program per (row, group).
+
+Same signatures and cast order as `rmsnorm.rms_norm_ref` / `rms_norm_gated_ref`: the sum of squares,
+the reciprocal root (correctly rounded sqrt, then a division, like torch on the CPU) and the
+normalization run in fp32; then either (default) the normalized value is rounded to x.dtype and
+multiplied by the weight in x.dtype (a product of two x.dtype values, rounded once), or
+(weight_in_fp32, NemotronH) the weight multiplies in fp32 and the product is rounded once.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from pd_ssm.kernels._checks import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_same_device,
+    check_shape,
+)
+from pd_ssm.kernels.rmsnorm import _check_norm_args
+
+# NOTE: a group up to this many features is held in registers (one read of x); longer groups take
+# two passes over x, the second mostly from L2
+MAX_BLOCK = 8192
+
+
+def _on_device(t: Tensor) -> AbstractContextManager[object]:
+    # NOTE: Triton launches on the current CUDA device, which need not be the tensors' one
+    return torch.cuda.device(t.device) if t.is_cuda else nullcontext()
+
+
+@triton.jit
+def _load_h(x_row, g_row, offs, ok, GATED: tl.constexpr):
+    """x (times silu(gate), all in fp32) at offs; zero where masked."""
+    h = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
+    if GATED:
+        g = tl.load(g_row + offs, mask=ok, other=0.0).to(tl.float32)
+        h = h * (g / (1.0 + tl.exp(-g)))
+    return h
+
+
+@triton.jit
+def _scale_store(h, r, w_ptr, out_row, offs, ok, WEIGHT_FP32: tl.constexpr):
+    out_dtype = out_row.dtype.element_ty
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if WEIGHT_FP32:
+        y = w * (h * r)
+    else:
+        y = w * (h * r).to(out_dtype).to(tl.float32)  # exact product of two x.dtype values
+    tl.store(out_row + offs, y.to(out_dtype), mask=ok)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    # pointers
+    x_ptr, gate_ptr, w_ptr, out_ptr,
+    # dimensions
+    group_size, eps,
+    # strides
+    stride_x_t, stride_g_t, stride_out_t,
+    # meta-parameters
+    GATED: tl.constexpr, WEIGHT_FP32: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = tl.program_id(1) * group_size  # first feature of this group
+    x_row = x_ptr + row * stride_x_t + base
+    g_row = gate_ptr + row * stride_g_t + base
+    out_row = out_ptr + row * stride_out_t + base
+    w_grp = w_ptr + base
+    offs = tl.arange(0, BLOCK)
+    if NUM_CHUNKS == 1:
+        ok = offs < group_size
+        h = _load_h(x_row, g_row, offs, ok, GATED)
+        r = 1.0 / tl.sqrt_rn(tl.sum(h * h, axis=0) / group_size + eps)
+        _scale_store(h, r, w_grp, out_row, offs, ok, WEIGHT_FP32)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for c in range(NUM_CHUNKS):
+            ok = c * BLOCK + offs < group_size
+            h = _load_h(x_row, g_row, c * BLOCK + offs, ok, GATED)
+            acc += h * h
+        r = 1.0 / tl.sqrt_rn(tl.sum(acc, axis=0) / group_size + eps)
+        for c in range(NUM_CHUNKS):
+            ok = c * BLOCK + offs < group_size
+            h = _load_h(x_row, g_row, c * BLOCK + offs, ok, GATED)
+            _scale_store(h, r, w_grp, out_row, c * BLOCK + offs, ok, WEIGHT_FP32)
+
+
+def _launch(x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, group_size: int,
+            weight_in_fp32: bool) -> Tensor:
+    T, d = x.shape
+    out = torch.empty((T, d), dtype=x.dtype, device=x.device)  # [T, d]
+    if T == 0:
+        return out
+    block = min(triton.next_power_of_2(group_size), MAX_BLOCK)
+    with _on_device(x):
+        _rms_norm_kernel[(T, d // group_size)](
+            x, x if gate is None else gate, weight.contiguous(), out,  # NOTE: x stands in for no gate, unread
+            group_size, float(eps),
+            x.stride(0), x.stride(0) if gate is None else gate.stride(0), out.stride(0),
+            GATED=gate is not None, WEIGHT_FP32=weight_in_fp32, BLOCK=block,
+            NUM_CHUNKS=triton.cdiv(group_size, block), num_warps=min(16, max(1, block // 512)),
+        )
+    return out
+
+
+def rms_norm_triton(x: Tensor, weight: Tensor, eps: float, *, weight_in_fp32: bool = False) -> Tensor:
+    """Triton `rms_norm_ref`: y = weight * x / sqrt(mean(x^2) + eps) over the last axis.
+
+    Shapes: x [T, d] fp32/bf16/fp16 (stride 1 on the last axis); weight [d] in x.dtype.
+    Returns y [T, d] in x.dtype. weight_in_fp32 selects NemotronH's order of casts. No host sync.
+    """
+    _check_norm_args("rms_norm", x, weight)
+    check_same_device("rms_norm", x=x, weight=weight)
+    return _launch(x, None, weight, eps, x.shape[1], weight_in_fp32)
+
+
+def rms_norm_gated_triton(x: Tensor, gate: Tensor, weight: Tensor, eps: float, group_size: int) -> Tensor:
+    """Triton `rms_norm_gated_ref`: y = weight * norm_g(x * silu(gate)) over groups of group_size.
+
+    Shapes: x, gate [T, d] (fp32/bf16/fp16, stride 1 on the last axis; gate may differ in dtype);
+    weight [d] in x.dtype; d % group_size == 0. Returns y [T, d] in x.dtype. No host sync.
+    """
+    k = "rms_norm_gated"
+    _check_norm_args(k, x, weight)
+    check_shape(k, "gate", gate, "[T, d]", tuple(x.shape))
+    check_dtype(k, "gate", gate, FLOAT_DTYPES)
+    check_last_dim_contiguous(k, "gate", gate)
+    check_same_device(k, x=x, gate=gate, weight=weight)
+    d = x.shape[1]
+    if group_size <= 0 or d % group_size != 0:
+        raise ValueError(f"{k}: d ({d}) must be a multiple of group_size ({group_size})")
+    return _launch(x, gate, weight, eps, group_size, False)

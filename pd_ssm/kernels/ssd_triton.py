@@ -1,0 +1,205 @@
+"""Triton launcher of the Mamba2 SSD chunked scan over a varlen batch.
+
+Same contract as `ssd.mamba_chunk_scan_varlen_ref` (signature, semantics, ScanOutput); the kernels
+are in `ssd_triton_kernels.py` and `ssd_triton_scan.py`. Four launches: chunk metadata, chunk states (dt' and its cumsum
+fused in), state passing along each sequence, chunk scan (the C B^T product fused in).
+
+No host synchronization unless return_boundary_states is set: the logical-chunk grid is sized by
+an upper bound computed from shapes alone, and programs past the real count exit at once. The
+number of boundary states sizes an output, so asking for them costs one read of a device scalar.
+cu_seqlens and context_lens are therefore not validated here (the reference does, on the host).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+
+from pd_ssm.kernels.ssd import NO_DT_LIMIT, ScanOutput, _check_scan_args
+from pd_ssm.kernels.ssd_triton_kernels import (
+    _ssd_chunk_meta_kernel,
+    _ssd_chunk_state_kernel,
+    _ssd_state_passing_kernel,
+)
+from pd_ssm.kernels.ssd_triton_scan import _ssd_chunk_scan_kernel
+
+# the interpreter replaces @triton.jit functions at import when TRITON_INTERPRET=1
+_INTERPRETED = isinstance(_ssd_chunk_scan_kernel, InterpretedFunction)
+_DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class SSDConfig:
+    """Block shapes and warps of the three heavy kernels.
+
+    Defaults (bf16 / fp16): the fastest of the sweep in benchmarks/ssd_gpu.py on an H200, Mamba2-2.7B
+    shapes (run 2 in benchmarks/NOTES_ssd.md).
+    """
+
+    state_block_k: int = 32  # tokens per dot in the chunk-state kernel
+    state_block_n: int = 256  # dstate columns per program (fewer: more programs, same dt' work)
+    state_reread: bool = True  # re-read dt' and its cumsum from scratch (else recompute them)
+    state_warps: int = 4
+    state_stages: int = 4
+    scan_block_m: int = 64  # output rows per program
+    scan_block_k: int = 32  # tokens per step of the causal loop
+    scan_heads: int = 1  # heads per program sharing C B^T (1, 2, 4; 1 where it does not divide H / G)
+    scan_warps: int = 4
+    scan_stages: int = 3
+    pass_block: int = 512  # state elements (of headdim * dstate) per program
+    pass_warps: int = 4
+
+
+# NOTE: fp32 dots are IEEE (FMA, no tensor cores) and hold larger tiles in registers: smaller
+# tiles and more warps keep them from spilling (ptxas, sm_90)
+_FP32_CONFIG = SSDConfig(state_block_k=64, state_warps=8, state_stages=2, scan_block_m=64, scan_block_k=32,
+                         scan_heads=1, scan_warps=8, scan_stages=2)
+
+
+def default_config(dot_dtype: torch.dtype) -> SSDConfig:
+    return _FP32_CONFIG if dot_dtype == torch.float32 else SSDConfig()
+
+
+def max_logical_chunks(num_tokens: int, num_seqs: int, chunk_size: int) -> int:
+    """Upper bound on the logical chunks of any batch of this size, from shapes alone.
+
+    A sequence of n tokens spans at most ceil(n / Q) + 1 chunks (one more for a mid-chunk start),
+    and ceil(n / Q) <= (n - 1) // Q + 1; summed: (T - S) // Q + 2 S. No chunk is empty: <= T.
+    """
+    return min(num_tokens, (num_tokens - num_seqs) // chunk_size + 2 * num_seqs)
+
+
+def _block(n: int, cap: int) -> int:
+    # tl.dot needs every dimension >= 16
+    return max(16, min(cap, triton.next_power_of_2(n)))
+
+
+def mamba_chunk_scan_varlen_triton(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    *,
+    cu_seqlens: Tensor,
+    context_lens: Tensor,
+    ssm_state: Tensor,
+    state_indices: Tensor,
+    has_initial_state: Tensor,
+    D: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = True,
+    dt_limit: Sequence[float] = NO_DT_LIMIT,
+    return_boundary_states: bool = False,
+) -> ScanOutput:
+    """Chunked SSD scan of S sequences laid end to end (T tokens), each from its own state.
+
+    Shapes and semantics are those of `ssd.mamba_chunk_scan_varlen_ref`:
+      x [T, H, P], dt [T, H] raw, A [H] fp32, B / C [T, G, N], cu_seqlens [S+1] int32,
+      context_lens [S] int32 (absolute position of each sequence's first token), ssm_state
+      [num_slots, H, P, N] pool (read where has_initial_state, final state written in place into
+      ssm_state[state_indices[s]]), D / dt_bias [H] or None.
+    Returns ScanOutput(out [T, H, P] in x.dtype, boundary_states [num_boundaries, H, P, N] fp32 or
+    None, boundary_cu [S+1] int32 or None).
+
+    fp32 inputs use IEEE fp32 dots; bf16 / fp16 inputs (x, B and C of one dtype) use dots in that
+    dtype with fp32 accumulation, and carry the passed states in it too. All else is fp32.
+    """
+    return ssd_scan_with_config(
+        x, dt, A, B, C, chunk_size, cu_seqlens=cu_seqlens, context_lens=context_lens,
+        ssm_state=ssm_state, state_indices=state_indices, has_initial_state=has_initial_state, D=D,
+        dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+        return_boundary_states=return_boundary_states, config=None,
+    )
+
+
+def ssd_scan_with_config(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, *, cu_seqlens: Tensor,
+    context_lens: Tensor, ssm_state: Tensor, state_indices: Tensor, has_initial_state: Tensor,
+    D: Tensor | None, dt_bias: Tensor | None, dt_softplus: bool, dt_limit: Sequence[float],
+    return_boundary_states: bool, config: SSDConfig | None,
+) -> ScanOutput:
+    """`mamba_chunk_scan_varlen_triton` with explicit block shapes (None: the default for the dtype)."""
+    _check_scan_args(x, dt, A, B, C, chunk_size, cu_seqlens, context_lens, ssm_state, state_indices,
+                     has_initial_state, D, dt_bias)
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    S = cu_seqlens.shape[0] - 1
+    Q = chunk_size
+    if P > 256 or N > 256:
+        raise ValueError(f"mamba_chunk_scan_varlen_triton: headdim ({P}) and dstate ({N}) must be <= 256")
+    dev = x.device
+    out = torch.empty((T, H, P), dtype=x.dtype, device=dev)  # [T, H, P]
+    if T == 0:
+        empty = torch.zeros(0, H, P, N, dtype=torch.float32, device=dev)
+        bcu = torch.zeros(S + 1, dtype=torch.int32, device=dev)
+        return ScanOutput(out, empty, bcu) if return_boundary_states else ScanOutput(out, None, None)
+
+    same = x.dtype == B.dtype == C.dtype
+    dot_dtype = x.dtype if same else torch.float32
+    K = max_logical_chunks(T, S, Q)
+    PN = P * N
+
+    # scratch: one int32 and one fp32 allocation, carved into views
+    meta = torch.empty(4 * K + 3 * S + 1, dtype=torch.int32, device=dev)
+    chunk_info, seq_first, seq_end, bcu = meta.split([4 * K, S, S, S + 1])
+    work = torch.empty(2 * H * K * Q + K * H * PN, dtype=torch.float32, device=dev)
+    dt_buf, cs_buf, states = work.split([H * K * Q, H * K * Q, K * H * PN])
+    starts = torch.empty(K * H * PN, dtype=dot_dtype, device=dev)  # the state entering each chunk
+
+    _ssd_chunk_meta_kernel[(1,)](
+        cu_seqlens, context_lens, chunk_info, seq_first, seq_end, bcu,
+        S, K, Q, S.bit_length(), BLOCK=256, num_warps=4,
+    )
+
+    lo, hi = float(dt_limit[0]), float(dt_limit[1])
+    has_limit = (lo, hi) != NO_DT_LIMIT
+    dot = dict(DOT_DTYPE=_DOT_DTYPES[dot_dtype], DOT_PRECISION="ieee" if dot_dtype == torch.float32 else "tf32",
+               INTERPRETED=_INTERPRETED)
+    BP, BN = _block(P, 256), _block(N, 256)
+    cfg = config or default_config(dot_dtype)
+    state_bn = _block(N, cfg.state_block_n)
+    _ssd_chunk_state_kernel[(H, K, triton.cdiv(N, state_bn))](
+        x, dt, A, dt_bias, B, chunk_info, dt_buf, cs_buf, states,
+        K, H, P, N, H // G, lo if has_limit else 0.0, hi if has_limit else 0.0,
+        x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1),
+        CHUNK=Q, CHUNK_PAD=triton.next_power_of_2(Q), HAS_DT_BIAS=dt_bias is not None,
+        DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit, REREAD=cfg.state_reread,
+        BLOCK_K=_block(Q, cfg.state_block_k), BLOCK_P=BP, BLOCK_N=state_bn,
+        num_warps=cfg.state_warps, num_stages=cfg.state_stages, **dot,
+    )
+
+    if return_boundary_states:
+        # NOTE: the one host synchronization: the count of boundary states sizes the output
+        nb = int(bcu[S])
+        bstates = torch.empty((nb, H, P, N), dtype=torch.float32, device=dev)
+    else:
+        bstates = states  # never written: RETURN_BOUNDARY is off
+    pass_block = min(cfg.pass_block, triton.next_power_of_2(PN))
+    _ssd_state_passing_kernel[(triton.cdiv(PN, pass_block), S, H)](
+        states, cs_buf, chunk_info, seq_first, seq_end, state_indices, has_initial_state,
+        starts, ssm_state, bstates, K, H, PN,
+        CHUNK=Q, RETURN_BOUNDARY=return_boundary_states, INTERPRETED=_INTERPRETED, BLOCK=pass_block,
+        num_warps=cfg.pass_warps,
+    )
+
+    block_m = _block(Q, cfg.scan_block_m)
+    heads = cfg.scan_heads if (H // G) % cfg.scan_heads == 0 else 1
+    _ssd_chunk_scan_kernel[(H // heads, triton.cdiv(Q, block_m), K)](
+        x, B, C, D, dt_buf, cs_buf, starts, chunk_info, out,
+        K, H, P, N, H // G,
+        x.stride(0), x.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
+        out.stride(0), out.stride(1),
+        CHUNK=Q, HAS_D=D is not None, HEADS=heads, BLOCK_M=block_m, BLOCK_K=_block(Q, cfg.scan_block_k),
+        BLOCK_P=BP, BLOCK_N=BN, num_warps=cfg.scan_warps, num_stages=cfg.scan_stages, **dot,
+    )
+    if not return_boundary_states:
+        return ScanOutput(out, None, None)
+    return ScanOutput(out, bstates, bcu)

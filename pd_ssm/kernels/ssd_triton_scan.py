@@ -1,0 +1,149 @@
+"""The chunk-scan kernel of the varlen SSD scan (launch 4 of 4; see ssd_triton_kernels.py).
+
+Per (head group, row block, logical chunk): the rows' view of the state entering the chunk,
+C·state·e^{cs}, plus the causal part inside the chunk, (C B^T ∘ e^{cs_l - cs_s} dt'_s + D I) x,
+with C B^T made block by block in the kernel (no CB tensor, no bmm launch).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from pd_ssm.kernels.ssd_triton_kernels import _cast, _dot
+
+
+@triton.jit
+def _scan_head_start(C_m, h, k, nheads, headdim, dstate, cs_buf_ptr, buf, starts_ptr, x_base, offs_m, offs_p,
+                     offs_n, mm, mp, mn, stride_x_t, CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One head's rows: the entering state's contribution C·state·e^{cs}, and their cs."""
+    cs_m = tl.load(cs_buf_ptr + buf + offs_m, mask=offs_m < CHUNK, other=0.0)
+    stT = tl.load(starts_ptr + (k * nheads + h) * (headdim * dstate) + offs_p[None, :] * dstate + offs_n[:, None],
+                  mask=mn[:, None] & mp[None, :], other=0.0)
+    stT = _cast(stT, DOT_DTYPE, INTERPRETED)  # [BLOCK_N, BLOCK_P]
+    acc = _dot(C_m, stT, None, DOT_PRECISION, INTERPRETED) * tl.exp(cs_m)[:, None]  # [BLOCK_M, BLOCK_P]
+    return acc, cs_m
+
+
+@triton.jit
+def _scan_head_step(acc, cb, causal, diag, D_h, cs_m, cs_buf_ptr, dt_buf_ptr, buf, x_base, offs_k, mk, offs_p,
+                    mp, stride_x_t, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    INTERPRETED: tl.constexpr):
+    """acc += (C B^T ∘ e^{cs_l - cs_s} dt'_s + D I) x over one block of source tokens s, for one head.
+
+    D rides on the diagonal of the weights (no separate load of x for D x); with bf16 dots D·x is
+    then rounded like the other weights, with fp32 dots it is exact.
+    """
+    cs_k = tl.load(cs_buf_ptr + buf + offs_k, mask=mk, other=0.0)
+    dt_k = tl.load(dt_buf_ptr + buf + offs_k, mask=mk, other=0.0)
+    decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
+    w = _cast(cb * decay * dt_k[None, :] + tl.where(diag, D_h, 0.0), DOT_DTYPE, INTERPRETED)
+    xk = tl.load(x_base + offs_k[:, None] * stride_x_t + offs_p[None, :], mask=mk[:, None] & mp[None, :],
+                 other=0.0)
+    xk = _cast(xk, DOT_DTYPE, INTERPRETED)  # [BLOCK_K, BLOCK_P]
+    return _dot(w, xk, acc, DOT_PRECISION, INTERPRETED)
+
+
+@triton.jit
+def _scan_head_store(acc, h, out_ptr, t0, offs_m, offs_p, mm, mp, stride_o_t, stride_o_h,
+                     INTERPRETED: tl.constexpr):
+    tl.store(out_ptr + (t0 + offs_m[:, None]) * stride_o_t + h * stride_o_h + offs_p[None, :],
+             _cast(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=mm[:, None] & mp[None, :])
+
+
+@triton.jit(do_not_specialize=["K_max"])
+def _ssd_chunk_scan_kernel(
+    # pointers
+    x_ptr, B_ptr, C_ptr, D_ptr, dt_buf_ptr, cs_buf_ptr, starts_ptr, chunk_ptr,  # inputs
+    out_ptr,  # output
+    # dimensions
+    K_max, nheads, headdim, dstate, heads_per_group,
+    # strides (token, head / group); the last axes have stride 1
+    stride_x_t, stride_x_h, stride_B_t, stride_B_g, stride_C_t, stride_C_g, stride_o_t, stride_o_h,
+    # meta-parameters
+    CHUNK: tl.constexpr, HAS_D: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr, HEADS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # HEADS (1, 2 or 4) consecutive heads of one group share this program's C and B tiles and each
+    # C B^T block: the product is made once for all of them
+    h0 = tl.program_id(0) * HEADS
+    mb = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest row blocks start first
+    k = tl.program_id(2).to(tl.int64)
+    t0 = tl.load(chunk_ptr + 4 * k + 1).to(tl.int64)
+    L = tl.load(chunk_ptr + 4 * k + 2)
+    if mb * BLOCK_M >= L:
+        return
+    g = h0 // heads_per_group
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mm = offs_m < L
+    mp = offs_p < headdim
+    mn = offs_n < dstate
+    C_m = tl.load(C_ptr + t0 * stride_C_t + g * stride_C_g + offs_m[:, None] * stride_C_t + offs_n[None, :],
+                  mask=mm[:, None] & mn[None, :], other=0.0)
+    C_m = _cast(C_m, DOT_DTYPE, INTERPRETED)  # [BLOCK_M, BLOCK_N]
+    D0, D1, D2, D3 = 0.0, 0.0, 0.0, 0.0
+    if HAS_D:
+        D0 = tl.load(D_ptr + h0).to(tl.float32)
+        if HEADS >= 2:
+            D1 = tl.load(D_ptr + h0 + 1).to(tl.float32)
+        if HEADS >= 4:
+            D2 = tl.load(D_ptr + h0 + 2).to(tl.float32)
+            D3 = tl.load(D_ptr + h0 + 3).to(tl.float32)
+    buf0 = (h0 * K_max + k) * CHUNK
+    xb0 = x_ptr + t0 * stride_x_t + h0 * stride_x_h
+    acc0, cs0 = _scan_head_start(C_m, h0, k, nheads, headdim, dstate, cs_buf_ptr, buf0, starts_ptr, xb0,
+                                      offs_m, offs_p, offs_n, mm, mp, mn, stride_x_t, CHUNK, DOT_DTYPE,
+                                      DOT_PRECISION, INTERPRETED)
+    if HEADS >= 2:
+        buf1 = buf0 + K_max * CHUNK
+        xb1 = xb0 + stride_x_h
+        acc1, cs1 = _scan_head_start(C_m, h0 + 1, k, nheads, headdim, dstate, cs_buf_ptr, buf1, starts_ptr,
+                                          xb1, offs_m, offs_p, offs_n, mm, mp, mn, stride_x_t, CHUNK, DOT_DTYPE,
+                                          DOT_PRECISION, INTERPRETED)
+    if HEADS >= 4:
+        buf2 = buf0 + 2 * K_max * CHUNK
+        buf3 = buf0 + 3 * K_max * CHUNK
+        xb2 = xb0 + 2 * stride_x_h
+        xb3 = xb0 + 3 * stride_x_h
+        acc2, cs2 = _scan_head_start(C_m, h0 + 2, k, nheads, headdim, dstate, cs_buf_ptr, buf2, starts_ptr,
+                                          xb2, offs_m, offs_p, offs_n, mm, mp, mn, stride_x_t, CHUNK, DOT_DTYPE,
+                                          DOT_PRECISION, INTERPRETED)
+        acc3, cs3 = _scan_head_start(C_m, h0 + 3, k, nheads, headdim, dstate, cs_buf_ptr, buf3, starts_ptr,
+                                          xb3, offs_m, offs_p, offs_n, mm, mp, mn, stride_x_t, CHUNK, DOT_DTYPE,
+                                          DOT_PRECISION, INTERPRETED)
+
+    # causal part inside the chunk: y_l += sum_{s<=l} (C_l . B_s) exp(cs_l - cs_s) dt'_s x_s
+    B_base = B_ptr + t0 * stride_B_t + g * stride_B_g
+    for kb in range(0, tl.minimum((mb + 1) * BLOCK_M, L), BLOCK_K):
+        offs_k = kb + tl.arange(0, BLOCK_K)
+        mk = offs_k < L
+        BT = tl.load(B_base + offs_k[None, :] * stride_B_t + offs_n[:, None],
+                     mask=mn[:, None] & mk[None, :], other=0.0)
+        BT = _cast(BT, DOT_DTYPE, INTERPRETED)  # [BLOCK_N, BLOCK_K]
+        cb = _dot(C_m, BT, None, DOT_PRECISION, INTERPRETED)  # [BLOCK_M, BLOCK_K] fp32
+        causal = offs_m[:, None] >= offs_k[None, :]
+        diag = offs_m[:, None] == offs_k[None, :]
+        acc0 = _scan_head_step(acc0, cb, causal, diag, D0, cs0, cs_buf_ptr, dt_buf_ptr, buf0, xb0, offs_k, mk, offs_p, mp,
+                               stride_x_t, DOT_DTYPE, DOT_PRECISION, INTERPRETED)
+        if HEADS >= 2:
+            acc1 = _scan_head_step(acc1, cb, causal, diag, D1, cs1, cs_buf_ptr, dt_buf_ptr, buf1, xb1, offs_k, mk, offs_p,
+                                   mp, stride_x_t, DOT_DTYPE, DOT_PRECISION, INTERPRETED)
+        if HEADS >= 4:
+            acc2 = _scan_head_step(acc2, cb, causal, diag, D2, cs2, cs_buf_ptr, dt_buf_ptr, buf2, xb2, offs_k, mk, offs_p,
+                                   mp, stride_x_t, DOT_DTYPE, DOT_PRECISION, INTERPRETED)
+            acc3 = _scan_head_step(acc3, cb, causal, diag, D3, cs3, cs_buf_ptr, dt_buf_ptr, buf3, xb3, offs_k, mk, offs_p,
+                                   mp, stride_x_t, DOT_DTYPE, DOT_PRECISION, INTERPRETED)
+
+    _scan_head_store(acc0, h0, out_ptr, t0, offs_m, offs_p, mm, mp, stride_o_t, stride_o_h, INTERPRETED)
+    if HEADS >= 2:
+        _scan_head_store(acc1, h0 + 1, out_ptr, t0, offs_m, offs_p, mm, mp, stride_o_t,
+                         stride_o_h, INTERPRETED)
+    if HEADS >= 4:
+        _scan_head_store(acc2, h0 + 2, out_ptr, t0, offs_m, offs_p, mm, mp, stride_o_t,
+                         stride_o_h, INTERPRETED)
+        _scan_head_store(acc3, h0 + 3, out_ptr, t0, offs_m, offs_p, mm, mp, stride_o_t,
+                         stride_o_h, INTERPRETED)

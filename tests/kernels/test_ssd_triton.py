@@ -1,0 +1,206 @@
+"""mamba_chunk_scan_varlen_triton against mamba_chunk_scan_varlen_ref.
+
+Without CUDA the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1) on
+tiny shapes; with CUDA the same cases run with 4x the chunk, lengths and positions, and real head
+sizes. Every case draws random inputs and a random pool whose unused slots must stay untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+
+import pytest
+import torch
+from kernel_oracles import INF_LIMIT, cu_of, gen, i32, make_ssm_inputs
+from torch import Tensor
+
+pytest.importorskip("triton")
+
+from pd_ssm.kernels.ssd import ScanOutput, _chunk_grid, mamba_chunk_scan_varlen_ref  # noqa: E402
+from pd_ssm.kernels.ssd_triton import (  # noqa: E402
+    SSDConfig,
+    mamba_chunk_scan_varlen_triton,
+    max_logical_chunks,
+    ssd_scan_with_config,
+)
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # NOTE: Triton 3.6's interpreter turns a loop bound that is a kernel argument into int() of a
+    # 1-element 1-D array, which numpy >= 2.4 rejects; read it with .item() instead. Installed for
+    # the whole process once this module is imported (a conftest.py would be its natural home); it
+    # rides on the interpreter's own per-launch patch/restore scope.
+    from triton.runtime import interpreter as _interp
+
+    _patch_lang_tensor = _interp._patch_lang_tensor
+
+    def _patch_with_item_index(tensor, scope):  # type: ignore[no-untyped-def]
+        _patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    _interp._patch_lang_tensor = _patch_with_item_index
+
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if CUDA else "cpu")
+# tiny in the interpreter; on a GPU 4x the chunk (and every length and position) and real head sizes
+H, P, N, CHUNK, X = (8, 64, 64, 64, 4) if CUDA else (4, 16, 16, 16, 1)
+
+
+def rel_err(a: Tensor, b: Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def run_case(
+    lengths: Sequence[int], ctx: Sequence[int], has_init: Sequence[bool], *, G: int = 1, seed: int,
+    chunk: int = CHUNK, dtype: torch.dtype = torch.float32, pool_dtype: torch.dtype = torch.float32,
+    limit: Sequence[float] = INF_LIMIT, boundaries: bool = True, with_D_bias: bool = True,
+    softplus: bool = True, strided: bool = False, nan_in_unread_slots: bool = False,
+    dstate: int = N, config: SSDConfig | None = None,
+) -> tuple[ScanOutput, ScanOutput]:
+    """Scan one batch with both implementations; check out, pool and boundary states; return both."""
+    g = gen(seed)
+    lengths = [n * X for n in lengths]
+    ctx = [c * X for c in ctx]
+    S, T = len(lengths), sum(lengths)
+    N = dstate
+    inp = make_ssm_inputs(g, T, H, P, G, N, dtype)
+    x, dt, B, C = inp.x, inp.dt, inp.B, inp.C
+    if not softplus:  # the caller passes step sizes: positive, or the recurrence grows without bound
+        dt = torch.nn.functional.softplus(dt.float()).to(dtype)
+    if strided:  # views into one projection, as the mixer passes them: token stride > row size
+        proj = torch.randn(T, H * P + 2 * G * N + H + 5, generator=g).to(dtype)
+        x = proj[:, : H * P].view(T, H, P).copy_(x)
+        B = proj[:, H * P: H * P + G * N].view(T, G, N).copy_(B)
+        C = proj[:, H * P + G * N: H * P + 2 * G * N].view(T, G, N).copy_(C)
+        dt = proj[:, H * P + 2 * G * N: H * P + 2 * G * N + H].copy_(dt)
+    num_slots = S + 3
+    pool = torch.randn(num_slots, H, P, N, generator=g).to(pool_dtype)
+    slots = torch.randperm(num_slots, generator=g)[:S].tolist()
+    if nan_in_unread_slots:
+        for s, use in zip(slots, has_init, strict=True):
+            if not use:
+                pool[s] = float("nan")
+    D, dt_bias = (inp.D, inp.dt_bias) if with_D_bias else (None, None)
+
+    def scan(fn, pool_: Tensor) -> ScanOutput:  # type: ignore[no-untyped-def]
+        return fn(
+            x.to(DEV), dt.to(DEV), inp.A.to(DEV), B.to(DEV), C.to(DEV), chunk,
+            cu_seqlens=i32(cu_of(lengths)).to(DEV), context_lens=i32(ctx).to(DEV), ssm_state=pool_,
+            state_indices=i32(slots).to(DEV), has_initial_state=torch.tensor(list(has_init), device=DEV),
+            D=None if D is None else D.to(DEV), dt_bias=None if dt_bias is None else dt_bias.to(DEV),
+            dt_softplus=softplus, dt_limit=limit, return_boundary_states=boundaries,
+        )
+
+    pool_ref, pool_tri = pool.to(DEV, copy=True), pool.to(DEV, copy=True)
+    ref = scan(mamba_chunk_scan_varlen_ref, pool_ref)
+    if config is None:
+        tri = scan(mamba_chunk_scan_varlen_triton, pool_tri)
+    else:
+        tri = scan(functools.partial(ssd_scan_with_config, config=config), pool_tri)
+
+    assert tri.out.dtype == dtype and tri.out.shape == (T, H, P)
+    assert torch.isfinite(tri.out).all()
+    low = dtype != torch.float32
+    if low:  # bf16 / fp16 operands of the dots, and bf16 / fp16 passed states
+        assert rel_err(tri.out, ref.out) < 1e-2
+    else:
+        torch.testing.assert_close(tri.out, ref.out, rtol=1e-4, atol=1e-4)
+    unused = sorted(set(range(num_slots)) - set(slots))
+    assert torch.equal(pool_tri[unused].cpu(), pool[unused]), "a slot no sequence owns was written"
+    for s in slots:
+        if low or pool_dtype != torch.float32:
+            assert rel_err(pool_tri[s], pool_ref[s]) < (1e-2 if low else 4e-3), f"final state of slot {s}"
+        else:
+            torch.testing.assert_close(pool_tri[s], pool_ref[s], rtol=1e-4, atol=1e-4)
+
+    if not boundaries:
+        assert tri.boundary_states is None and tri.boundary_cu is None
+        return ref, tri
+    assert tri.boundary_states is not None and tri.boundary_cu is not None
+    assert ref.boundary_states is not None and ref.boundary_cu is not None
+    assert tri.boundary_cu.dtype == torch.int32 and tri.boundary_states.dtype == torch.float32
+    assert tri.boundary_cu.tolist() == ref.boundary_cu.tolist()
+    assert tri.boundary_states.shape == ref.boundary_states.shape
+    if ref.boundary_states.numel():
+        if low:
+            assert rel_err(tri.boundary_states, ref.boundary_states) < 1e-2
+        else:
+            torch.testing.assert_close(tri.boundary_states, ref.boundary_states, rtol=1e-4, atol=1e-4)
+    return ref, tri
+
+
+@pytest.mark.parametrize("G", [1, 2])
+def test_varlen_lengths_around_the_chunk(G: int) -> None:
+    # one token, shorter than a chunk, exactly a chunk, several chunks, straddling from mid-chunk
+    run_case([1, 7, 16, 40, 23], [0, 0, 0, 0, 9], [False] * 5, G=G, seed=1 + G)
+
+
+def test_mid_chunk_starts_with_initial_states() -> None:
+    # every context_len off the grid; sequences ending on, before and past a boundary
+    run_case([3, 13, 20, 1, 30], [5, 3, 7, 15, 18], [True, True, False, True, True], G=2, seed=10)
+
+
+def test_single_long_sequence_from_an_aligned_history() -> None:
+    run_case([96], [32], [True], seed=11)
+
+
+def test_no_initial_state_never_reads_the_slot() -> None:
+    run_case([9, 18], [0, 4], [False, False], seed=12, nan_in_unread_slots=True)
+
+
+def test_dt_limit_clamps() -> None:
+    ref, _ = run_case([12, 21], [0, 6], [False, True], G=2, seed=13, limit=(0.2, 0.6))
+    free, _ = run_case([12, 21], [0, 6], [False, True], G=2, seed=13)
+    assert not torch.allclose(ref.out, free.out), "the limit changed nothing: the test does not exercise it"
+
+
+def test_without_D_dt_bias_and_softplus() -> None:
+    run_case([5, 19], [2, 0], [True, False], seed=14, with_D_bias=False, softplus=False, boundaries=False)
+
+
+def test_boundary_states_off_returns_none() -> None:
+    run_case([20, 3], [10, 0], [True, False], seed=15, boundaries=False)
+
+
+def test_chunk_size_not_a_power_of_two() -> None:
+    run_case([7, 25], [5, 11], [True, True], seed=16, chunk=12 * X)
+
+
+def test_strided_views_of_one_projection() -> None:
+    run_case([6, 17], [3, 0], [True, False], G=2, seed=17, strided=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_and_pool(dtype: torch.dtype) -> None:
+    run_case([1, 6, 19, 33], [0, 2, 5, 16], [False, True, True, True], G=2, seed=18, dtype=dtype,
+             pool_dtype=dtype)
+
+
+def test_fp32_inputs_bf16_pool() -> None:
+    run_case([5, 21], [1, 4], [True, True], seed=19, pool_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(("G", "chunk", "config"), [
+    # four heads share each C B^T block; dstate split over two programs of the state kernel
+    (1, CHUNK, SSDConfig(scan_heads=4, state_block_n=N)),
+    # two heads; two row blocks and several source blocks per chunk; dt' recomputed in the state kernel
+    (2, 2 * CHUNK, SSDConfig(scan_heads=2, scan_block_m=CHUNK, scan_block_k=CHUNK // 2, state_block_k=CHUNK,
+                             state_reread=False)),
+])
+def test_block_configs(G: int, chunk: int, config: SSDConfig) -> None:
+    run_case([1, 9, 30], [0, 3, 12], [False, True, True], G=G, seed=21, chunk=chunk, dstate=2 * N,
+             config=config)
+
+
+def test_logical_chunk_bound_holds() -> None:
+    """max_logical_chunks (shapes only) >= the chunks the reference's grid actually makes."""
+    g = gen(20)
+    for _ in range(300):
+        q = int(torch.randint(1, 20, (1,), generator=g))
+        S = int(torch.randint(1, 8, (1,), generator=g))
+        lengths = torch.randint(1, 3 * q + 2, (S,), generator=g).tolist()
+        ctx = torch.randint(0, 4 * q, (S,), generator=g).tolist()
+        cu = cu_of(lengths)
+        grid = _chunk_grid(cu, ctx, q, torch.device("cpu"))
+        assert sum(grid.num_chunks) <= max_logical_chunks(cu[-1], S, q)
