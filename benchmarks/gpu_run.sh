@@ -5,14 +5,20 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [ -d third_party/wheels ]; then
+# NOTE: tests run without mamba_ssm importable: transformers would route its reference
+# functions to mamba_ssm's kernels, and the tests compare against its torch path
+export PYTHONPATH=$PWD
+BENCH_PATH=$PWD
+if [ -d third_party/wheels ]; then  # mamba_ssm's Triton kernels as the baseline (never committed)
   python3 -m pip install -q --no-index --no-deps --target /tmp/site third_party/wheels/*.whl
-  export PYTHONPATH=$PWD:$PWD/third_party/baseline:/tmp/site
-else
-  export PYTHONPATH=$PWD
+  BENCH_PATH=$PWD:$PWD/third_party/baseline:/tmp/site
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-python3 -m pytest -q -x -p no:cacheprovider tests/kernels tests/engine/test_cuda_graphs.py \
-  tests/engine/test_sampler.py 2>&1 | tail -25 | tee "$OUT/tests.txt"
-python3 -m pd_ssm.cli bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt"
-python3 -m pd_ssm.cli bench engine --json "$OUT/engine.json" 2>&1 | tee "$OUT/engine.txt"
+timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/kernels \
+  tests/engine/test_cuda_graphs.py tests/engine/test_gpu_numerics.py tests/engine/test_memory_plan.py \
+  tests/engine/test_bench_engine.py tests/engine/test_sampler.py 2>&1 | tail -30 > "$OUT/tests.txt"
+tail -30 "$OUT/tests.txt"
+[ -n "${SKIP_BENCH:-}" ] && exit 0
+export PYTHONPATH=$BENCH_PATH
+timeout 150 python3 -m pd_ssm.cli bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt"
+timeout 150 python3 -m pd_ssm.cli bench engine --json "$OUT/engine.json" 2>&1 | tee "$OUT/engine.txt"

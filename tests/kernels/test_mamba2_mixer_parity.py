@@ -20,6 +20,9 @@ from pd_ssm.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varlen
 from pd_ssm.kernels.rmsnorm import rms_norm_gated_ref
 from pd_ssm.kernels.ssd import mamba_chunk_scan_varlen_ref
 from pd_ssm.kernels.ssu import selective_state_update_ref
+from tests.conftest import needs_reference_transformers
+
+pytestmark = needs_reference_transformers
 
 HIDDEN, HEADS, HEAD_DIM, STATE, GROUPS, WIDTH, CHUNK = 16, 8, 4, 8, 2, 4, 8
 D_INNER = HEADS * HEAD_DIM

@@ -10,6 +10,7 @@ from transformers.models.mamba2.modeling_mamba2 import Mamba2RMSNorm, MambaRMSNo
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNorm
 
 from pd_ssm.kernels.rmsnorm import rms_norm_gated_ref, rms_norm_ref
+from tests.conftest import needs_reference_transformers
 
 T, D, EPS = 7, 24, 1e-5
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -28,6 +29,7 @@ def test_rms_norm_equals_hf(dtype: torch.dtype) -> None:
     assert torch.equal(out, expected)  # the same ops in the same order
 
 
+@needs_reference_transformers
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_weight_in_fp32_equals_nemotron_h(dtype: torch.dtype) -> None:
     g = gen(2)
@@ -51,6 +53,7 @@ def test_rms_norm_matches_float64_formula() -> None:
     assert_close(rms_norm_ref(x, w, EPS), expected, 1e-6, 1e-6)
 
 
+@needs_reference_transformers
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group_size", [D, D // 2, D // 4])
 def test_rms_norm_gated_equals_hf(dtype: torch.dtype, group_size: int) -> None:
