@@ -59,6 +59,30 @@ def selective_state_update_ref(
     is touched. Returns y [Bt, H, P] in x.dtype; all math in fp32 (y is taken from the fp32 state,
     before the cast to the pool's dtype). No host synchronization.
     """
+    check_ssu_args(ssm_state, x, dt, A, B, C, state_indices, D, dt_bias)
+    H, G = x.shape[1], B.shape[1]
+
+    slots = state_indices.long()  # [Bt]
+    dt_f = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)  # [Bt, H] fp32
+    dA = torch.exp(dt_f * A)  # [Bt, H]
+    Bh = B.float().repeat_interleave(H // G, dim=1)  # [Bt, H, N]
+    Ch = C.float().repeat_interleave(H // G, dim=1)  # [Bt, H, N]
+    xf = x.float()  # [Bt, H, P]
+    # (dt * B) first, then times x: the order of HF's decode step, so fp32 results agree to the ulp
+    dBx = (dt_f[..., None] * Bh)[:, :, None, :] * xf[..., None]  # [Bt, H, P, N]
+    state = ssm_state[slots].float() * dA[..., None, None] + dBx  # [Bt, H, P, N]
+    y = torch.matmul(state, Ch[..., None]).squeeze(-1)  # [Bt, H, P]
+    if D is not None:
+        y = y + xf * D.float()[:, None]  # D skip in fp32
+    ssm_state.index_copy_(0, slots, state.to(ssm_state.dtype))
+    return y.to(x.dtype)
+
+
+def check_ssu_args(
+    ssm_state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, state_indices: Tensor,
+    D: Tensor | None, dt_bias: Tensor | None,
+) -> None:
+    """Shape, dtype, layout and device checks shared by the reference and the Triton launcher."""
     k = "selective_state_update"
     check_ndim(k, "x", x, "[Bt, nheads, headdim]")
     check_ndim(k, "B", B, "[Bt, ngroups, dstate]")
@@ -86,18 +110,3 @@ def selective_state_update_ref(
     check_contiguous(k, "ssm_state", ssm_state)
     check_same_device(k, ssm_state=ssm_state, x=x, dt=dt, A=A, B=B, C=C, state_indices=state_indices,
                       D=D, dt_bias=dt_bias)
-
-    slots = state_indices.long()  # [Bt]
-    dt_f = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)  # [Bt, H] fp32
-    dA = torch.exp(dt_f * A)  # [Bt, H]
-    Bh = B.float().repeat_interleave(H // G, dim=1)  # [Bt, H, N]
-    Ch = C.float().repeat_interleave(H // G, dim=1)  # [Bt, H, N]
-    xf = x.float()  # [Bt, H, P]
-    # (dt * B) first, then times x: the order of HF's decode step, so fp32 results agree to the ulp
-    dBx = (dt_f[..., None] * Bh)[:, :, None, :] * xf[..., None]  # [Bt, H, P, N]
-    state = ssm_state[slots].float() * dA[..., None, None] + dBx  # [Bt, H, P, N]
-    y = torch.matmul(state, Ch[..., None]).squeeze(-1)  # [Bt, H, P]
-    if D is not None:
-        y = y + xf * D.float()[:, None]  # D skip in fp32
-    ssm_state.index_copy_(0, slots, state.to(ssm_state.dtype))
-    return y.to(x.dtype)

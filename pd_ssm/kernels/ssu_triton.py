@@ -23,16 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pd_ssm.kernels._checks import (
-    FLOAT_DTYPES,
-    check_contiguous,
-    check_dtype,
-    check_last_dim_contiguous,
-    check_ndim,
-    check_same_device,
-    check_shape,
-)
 from pd_ssm.kernels.ssd import NO_DT_LIMIT
+from pd_ssm.kernels.ssu import check_ssu_args
 
 
 class SSUConfig(NamedTuple):
@@ -48,40 +40,6 @@ def default_config(headdim: int, dstate: int, state_dtype: torch.dtype) -> SSUCo
     about 5% and the eviction hint nothing (benchmarks/NOTES_small_kernels.md)."""
     rows = max(1, 8192 // (triton.next_power_of_2(dstate) * state_dtype.itemsize))
     return SSUConfig(block_p=min(triton.next_power_of_2(headdim), rows), num_warps=4)
-
-
-def _check_ssu_args(
-    ssm_state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, state_indices: Tensor,
-    D: Tensor | None, dt_bias: Tensor | None,
-) -> None:
-    """The checks of `selective_state_update_ref`, message for message."""
-    k = "selective_state_update"
-    check_ndim(k, "x", x, "[Bt, nheads, headdim]")
-    check_ndim(k, "B", B, "[Bt, ngroups, dstate]")
-    Bt, H, P = x.shape
-    G, N = B.shape[1], B.shape[2]
-    if G == 0 or H % G != 0:
-        raise ValueError(f"{k}: nheads ({H}) must be a multiple of ngroups ({G})")
-    check_ndim(k, "ssm_state", ssm_state, "[num_slots, nheads, headdim, dstate]")
-    check_shape(k, "ssm_state", ssm_state, "[num_slots, nheads, headdim, dstate]",
-                (ssm_state.shape[0], H, P, N))
-    check_shape(k, "dt", dt, "[Bt, nheads]", (Bt, H))
-    check_shape(k, "A", A, "[nheads]", (H,))
-    check_shape(k, "C", C, "[Bt, ngroups, dstate]", (Bt, G, N))
-    check_shape(k, "state_indices", state_indices, "[Bt]", (Bt,))
-    for name, p in (("D", D), ("dt_bias", dt_bias)):
-        if p is not None:
-            check_shape(k, name, p, "[nheads]", (H,))
-            check_dtype(k, name, p, FLOAT_DTYPES)
-    for name, t in (("ssm_state", ssm_state), ("x", x), ("dt", dt), ("B", B), ("C", C)):
-        check_dtype(k, name, t, FLOAT_DTYPES)
-    check_dtype(k, "A", A, (torch.float32,))
-    check_dtype(k, "state_indices", state_indices, (torch.int32,))
-    for name, t in (("x", x), ("dt", dt), ("B", B), ("C", C)):
-        check_last_dim_contiguous(k, name, t)
-    check_contiguous(k, "ssm_state", ssm_state)
-    check_same_device(k, ssm_state=ssm_state, x=x, dt=dt, A=A, B=B, C=C, state_indices=state_indices,
-                      D=D, dt_bias=dt_bias)
 
 
 def _on_device(t: Tensor) -> AbstractContextManager[object]:
@@ -187,7 +145,7 @@ def selective_state_update_triton(
     In place on ssm_state[state_indices]. Returns y [Bt, H, P] in x.dtype. One launch, no host
     synchronization (CUDA-graph safe).
     """
-    _check_ssu_args(ssm_state, x, dt, A, B, C, state_indices, D, dt_bias)
+    check_ssu_args(ssm_state, x, dt, A, B, C, state_indices, D, dt_bias)
     cfg = default_config(x.shape[2], B.shape[2], ssm_state.dtype)
     return launch_ssu(ssm_state, x, dt, A, B, C, state_indices, D, dt_bias, dt_softplus, dt_limit, cfg)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pd_ssm.cache.pool import CachePool
@@ -82,10 +81,6 @@ class BambaForCausalLM(CausalLM):
         for layer in self.model.layers:
             hidden = layer(hidden, positions, meta, cache)
         return self.model.final_layernorm(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.lm_head.weight
-        return F.linear(hidden.to(weight.dtype), weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         tied = self.config.tie_word_embeddings

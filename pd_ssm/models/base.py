@@ -39,9 +39,12 @@ class CausalLM(nn.Module, ABC):
     ) -> torch.Tensor:  # [T, hidden] final-normed hidden states
         ...
 
-    @abstractmethod
+    lm_head: nn.Linear
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (only the rows the sampler needs are passed in)."""
+        weight = self.lm_head.weight
+        return nn.functional.linear(hidden.to(weight.dtype), weight).float()
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pd_ssm.cache.pool import CachePool
@@ -61,10 +60,6 @@ class Mamba2ForCausalLM(CausalLM):
         for layer in self.backbone.layers:
             hidden = layer(hidden, meta, cache)
         return self.backbone.norm_f(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.lm_head.weight
-        return F.linear(hidden.to(weight.dtype), weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         tied = self.config.tie_word_embeddings

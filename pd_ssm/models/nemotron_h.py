@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pd_ssm.cache.pool import CachePool
@@ -81,10 +80,6 @@ class NemotronHForCausalLM(CausalLM):
         for layer in self.backbone.layers:
             hidden = layer(hidden, positions, meta, cache)
         return self.backbone.norm_f(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.lm_head.weight
-        return F.linear(hidden.to(weight.dtype), weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         tied = self.config.tie_word_embeddings
