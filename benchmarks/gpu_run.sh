@@ -14,11 +14,12 @@ if [ -d third_party/wheels ]; then  # mamba_ssm's Triton kernels as the baseline
   BENCH_PATH=$PWD:$PWD/third_party/baseline:/tmp/site
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/kernels \
+[ -z "${SKIP_TESTS:-}" ] && timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/kernels \
   tests/engine/test_cuda_graphs.py tests/engine/test_gpu_numerics.py tests/engine/test_memory_plan.py \
   tests/engine/test_bench_engine.py tests/engine/test_sampler.py 2>&1 | tail -30 > "$OUT/tests.txt"
-tail -30 "$OUT/tests.txt"
+[ -f "$OUT/tests.txt" ] && tail -30 "$OUT/tests.txt"
 [ -n "${SKIP_BENCH:-}" ] && exit 0
 export PYTHONPATH=$BENCH_PATH
 timeout 150 python3 -m pd_ssm.cli bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt"
-timeout 150 python3 -m pd_ssm.cli bench engine --json "$OUT/engine.json" 2>&1 | tee "$OUT/engine.txt"
+[ -z "${SKIP_ENGINE:-}" ] && timeout 150 python3 -m pd_ssm.cli bench engine --json "$OUT/engine.json" 2>&1 | tee "$OUT/engine.txt"
+exit 0  # the figures and the test summary above are the result

@@ -1,0 +1,31 @@
+"""State transfer: the wire format and the Connector contract that move StatePages P -> D."""
+
+from __future__ import annotations
+
+from pd_ssm.state_transfer.base import Connector, Ticket, TransferStats
+from pd_ssm.state_transfer.wire import (
+    Frame,
+    FrameError,
+    PageAssembler,
+    decode_frame,
+    encode_end,
+    encode_page,
+    encode_request,
+    frames_to_pages,
+    pages_to_frames,
+)
+
+__all__ = [
+    "Connector",
+    "Frame",
+    "FrameError",
+    "PageAssembler",
+    "Ticket",
+    "TransferStats",
+    "decode_frame",
+    "encode_end",
+    "encode_page",
+    "encode_request",
+    "frames_to_pages",
+    "pages_to_frames",
+]
