@@ -82,6 +82,17 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(self.num_heads, dtype=torch.float32))
         self.norm = GatedRMSNorm(self.d_inner, config.rms_norm_eps, config.mamba_norm_group_size, kernels)
         self.out_proj = nn.Linear(self.d_inner, hidden, bias=config.mamba_proj_bias)
+        self._A: torch.Tensor | None = None
+        self._A_key: tuple[int, int] = (-1, -1)
+
+    def A(self) -> torch.Tensor:
+        """-exp(A_log) in fp32 [nheads], recomputed only when A_log changes (its version counter
+        moves on every in-place write, e.g. loading): two launches fewer per layer and step."""
+        key = (self.A_log._version, self.A_log.data_ptr())
+        if self._A is None or key != self._A_key:
+            self._A = -torch.exp(self.A_log.detach().float())
+            self._A_key = key
+        return self._A
 
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[N, conv_dim] -> x [N, nheads, headdim], B [N, ng, ds], C [N, ng, ds] (views)."""
@@ -101,7 +112,7 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = proj.split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
         conv_state = cache.conv(self.layer_idx)  # [slots, conv_dim, d_conv - 1]
         ssm_state = cache.ssm(self.layer_idx)  # [slots, nheads, headdim, d_state]
-        A = -torch.exp(self.A_log.float())  # [nheads]
+        A = self.A()  # [nheads] fp32
         weight, bias = self.conv1d.weight, self.conv1d.bias
 
         nd = meta.num_decodes
