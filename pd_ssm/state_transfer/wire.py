@@ -177,9 +177,12 @@ def decode_frame(header: Buffer, payload: Buffer | None) -> Frame:
     if payload is None:
         raise FrameError(f"{kind} frame of {req_id!r} has no payload part")
     try:
-        got = memoryview(payload).nbytes
+        view = memoryview(payload)
     except TypeError as e:
         raise FrameError(f"payload must be a bytes-like object, got {type(payload).__name__}") from e
+    if not view.c_contiguous:
+        raise FrameError(f"{kind} frame of {req_id!r}: payload buffer is not contiguous")
+    got = view.nbytes
     if got != nbytes:
         raise FrameError(f"{kind} frame of {req_id!r}: payload has {got} bytes, header says {nbytes} (truncated?)")
 
