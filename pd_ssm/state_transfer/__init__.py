@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
+from pd_ssm.state_transfer.assembler import PageAssembler, frames_to_pages
 from pd_ssm.state_transfer.base import Connector, Ticket, TransferStats
 from pd_ssm.state_transfer.wire import (
     Frame,
     FrameError,
-    PageAssembler,
     decode_frame,
     encode_end,
     encode_page,
     encode_request,
-    frames_to_pages,
     pages_to_frames,
 )
 

@@ -13,15 +13,14 @@ from hypothesis import strategies as st
 
 from pd_ssm.cache.pages import LayerPages, RequestState, StatePages
 from pd_ssm.state_transfer import wire
+from pd_ssm.state_transfer.assembler import PageAssembler, frames_to_pages
 from pd_ssm.state_transfer.wire import (
     Frame,
     FrameError,
-    PageAssembler,
     decode_frame,
     encode_end,
     encode_page,
     encode_request,
-    frames_to_pages,
     pages_to_frames,
 )
 
@@ -456,7 +455,7 @@ def test_mutated_real_frames_raise_only_frame_error(data: st.DataObject) -> None
 def test_hostile_buffers() -> None:
     header, payload = page_parts()
     with pytest.raises(FrameError, match="not valid msgpack"):
-        decode_frame(b"\x91" * 100_000, payload)  # nesting far past msgpack's stack
+        decode_frame(b"\x91" * 10_000, payload)  # nesting far past msgpack's stack
     with pytest.raises(FrameError, match="not contiguous"):
         decode_frame(header, memoryview(bytes(payload) * 2)[::2])
     with pytest.raises(FrameError, match="bytes-like"):
