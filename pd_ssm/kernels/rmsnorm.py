@@ -9,6 +9,8 @@ once: `rms_norm_ref(..., weight_in_fp32=True)`.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -46,6 +48,47 @@ def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, *, weight_in_fp32: bool 
     if weight_in_fp32:
         return (weight.float() * h).to(x.dtype)
     return weight * h.to(x.dtype)
+
+
+class AddNormOutput(NamedTuple):
+    normed: Tensor  # [T, d] in weight.dtype: the input of the next mixer (or of the LM head)
+    residual: Tensor  # [T, d] in residual_dtype: the running residual stream after the add
+
+
+def _check_add_norm_args(k: str, x: Tensor | None, residual: Tensor, weight: Tensor,
+                         residual_dtype: torch.dtype) -> None:
+    check_ndim(k, "residual", residual, "[T, d]")
+    check_shape(k, "weight", weight, "[d]", (residual.shape[1],))
+    check_dtype(k, "residual", residual, FLOAT_DTYPES)
+    check_dtype(k, "weight", weight, FLOAT_DTYPES)
+    check_last_dim_contiguous(k, "residual", residual)
+    if residual_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{k}: residual_dtype must be one of {FLOAT_DTYPES}, got {residual_dtype}")
+    if x is not None:
+        check_shape(k, "x", x, "[T, d]", tuple(residual.shape))
+        check_dtype(k, "x", x, FLOAT_DTYPES)
+        check_last_dim_contiguous(k, "x", x)
+        check_same_device(k, x=x, residual=residual, weight=weight)
+    else:
+        check_same_device(k, residual=residual, weight=weight)
+
+
+def add_rms_norm_ref(x: Tensor | None, residual: Tensor, weight: Tensor, eps: float, *,
+                     residual_dtype: torch.dtype, weight_in_fp32: bool = False) -> AddNormOutput:
+    """The pre-norm step of a block: new_residual = residual + x, normed = rms_norm(new_residual).
+
+    Shapes: x [T, d] (the previous block's output; None before the first block) and residual
+    [T, d], fp32/bf16/fp16 with stride 1 on the last axis; weight [d]. residual is upcast to
+    residual_dtype before the add (torch's `residual.float() + x`: x upcast, one add, one rounding
+    to residual_dtype); the norm then sees `new_residual.to(weight.dtype)` exactly as `rms_norm_ref`.
+    Returns (normed [T, d] in weight.dtype, new_residual [T, d] in residual_dtype).
+    """
+    _check_add_norm_args("add_rms_norm", x, residual, weight, residual_dtype)
+    new_residual = residual.to(residual_dtype)  # [T, d]
+    if x is not None:
+        new_residual = (new_residual + x).to(residual_dtype)
+    normed = rms_norm_ref(new_residual.to(weight.dtype), weight, eps, weight_in_fp32=weight_in_fp32)
+    return AddNormOutput(normed, new_residual)
 
 
 def rms_norm_gated_ref(x: Tensor, gate: Tensor, weight: Tensor, eps: float, group_size: int) -> Tensor:

@@ -5,6 +5,10 @@ the reciprocal root (correctly rounded sqrt, then a division, like torch on the 
 normalization run in fp32; then either (default) the normalized value is rounded to x.dtype and
 multiplied by the weight in x.dtype (a product of two x.dtype values, rounded once), or
 (weight_in_fp32, NemotronH) the weight multiplies in fp32 and the product is rounded once.
+
+`add_rms_norm_triton` fuses the residual add of a pre-norm block in front of the norm (one program
+per row): the add runs in fp32 and is rounded to the residual's dtype, which is then rounded to the
+weight's dtype before the statistics, as `rmsnorm.add_rms_norm_ref`.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pd_ssm.kernels._checks import (
     check_same_device,
     check_shape,
 )
-from pd_ssm.kernels.rmsnorm import _check_norm_args
+from pd_ssm.kernels.rmsnorm import AddNormOutput, _check_add_norm_args, _check_norm_args
 
 # NOTE: a group up to this many features is held in registers (one read of x); longer groups take
 # two passes over x, the second mostly from L2
@@ -137,3 +141,80 @@ def rms_norm_gated_triton(x: Tensor, gate: Tensor, weight: Tensor, eps: float, g
     if group_size <= 0 or d % group_size != 0:
         raise ValueError(f"{k}: d ({d}) must be a multiple of group_size ({group_size})")
     return _launch(x, gate, weight, eps, group_size, False)
+
+
+@triton.jit
+def _add_h(x_row, res_row, res_out_row, offs, ok, HAS_X: tl.constexpr, STORE_RES: tl.constexpr,
+           NORM_DTYPE: tl.constexpr):
+    """new_residual at offs (stored when STORE_RES), returned rounded to NORM_DTYPE, in fp32."""
+    r = tl.load(res_row + offs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_X:
+        r = r + tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
+    r = r.to(res_out_row.dtype.element_ty)
+    if STORE_RES:
+        tl.store(res_out_row + offs, r, mask=ok)
+    return r.to(NORM_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    # pointers
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    # dimensions
+    d, eps,
+    # strides
+    stride_x_t, stride_res_t, stride_out_t, stride_res_out_t,
+    # meta-parameters
+    HAS_X: tl.constexpr, WEIGHT_FP32: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x_t
+    res_row = res_ptr + row * stride_res_t
+    out_row = out_ptr + row * stride_out_t
+    res_out_row = res_out_ptr + row * stride_res_out_t
+    norm_dtype = out_row.dtype.element_ty
+    offs = tl.arange(0, BLOCK)
+    if NUM_CHUNKS == 1:
+        ok = offs < d
+        h = _add_h(x_row, res_row, res_out_row, offs, ok, HAS_X, True, norm_dtype)
+        r = 1.0 / tl.sqrt_rn(tl.sum(h * h, axis=0) / d + eps)
+        _scale_store(h, r, w_ptr, out_row, offs, ok, WEIGHT_FP32)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for c in range(NUM_CHUNKS):
+            ok = c * BLOCK + offs < d
+            h = _add_h(x_row, res_row, res_out_row, c * BLOCK + offs, ok, HAS_X, True, norm_dtype)
+            acc += h * h
+        r = 1.0 / tl.sqrt_rn(tl.sum(acc, axis=0) / d + eps)
+        for c in range(NUM_CHUNKS):
+            ok = c * BLOCK + offs < d
+            # NOTE: recomputed from the inputs (not re-read from res_out): no barrier needed
+            h = _add_h(x_row, res_row, res_out_row, c * BLOCK + offs, ok, HAS_X, False, norm_dtype)
+            _scale_store(h, r, w_ptr, out_row, c * BLOCK + offs, ok, WEIGHT_FP32)
+
+
+def add_rms_norm_triton(x: Tensor | None, residual: Tensor, weight: Tensor, eps: float, *,
+                        residual_dtype: torch.dtype, weight_in_fp32: bool = False) -> AddNormOutput:
+    """Triton `add_rms_norm_ref`: new_residual = residual + x, normed = rms_norm(new_residual).
+
+    Shapes: x [T, d] (None before the first block) and residual [T, d], fp32/bf16/fp16 with stride
+    1 on the last axis; weight [d]. Returns (normed [T, d] in weight.dtype, new_residual [T, d] in
+    residual_dtype), both freshly allocated. One launch, no host sync.
+    """
+    _check_add_norm_args("add_rms_norm", x, residual, weight, residual_dtype)
+    T, d = residual.shape
+    out = torch.empty((T, d), dtype=weight.dtype, device=residual.device)  # [T, d]
+    res_out = torch.empty((T, d), dtype=residual_dtype, device=residual.device)  # [T, d]
+    if T == 0:
+        return AddNormOutput(out, res_out)
+    block = min(triton.next_power_of_2(d), MAX_BLOCK)
+    with _on_device(residual):
+        _add_rms_norm_kernel[(T,)](
+            residual if x is None else x, residual, weight.contiguous(), out, res_out,  # NOTE: no x: unread
+            d, float(eps),
+            residual.stride(0) if x is None else x.stride(0), residual.stride(0), out.stride(0),
+            res_out.stride(0),
+            HAS_X=x is not None, WEIGHT_FP32=weight_in_fp32, BLOCK=block,
+            NUM_CHUNKS=triton.cdiv(d, block), num_warps=min(16, max(1, block // 512)),
+        )
+    return AddNormOutput(out, res_out)

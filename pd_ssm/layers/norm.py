@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pd_ssm.kernels.dispatch import Kernels
+from pd_ssm.kernels.rmsnorm import AddNormOutput
 
 
 class RMSNorm(nn.Module):
@@ -31,6 +32,20 @@ class RMSNorm(nn.Module):
         if self.weight_in_fp32:
             return self.kernels.rms_norm(x, w, self.eps, weight_in_fp32=True)
         return self.kernels.rms_norm(x, w, self.eps)
+
+    def add_forward(
+        self, delta: torch.Tensor | None, residual: torch.Tensor, residual_dtype: torch.dtype,
+        *, out_dtype: torch.dtype | None = None,
+    ) -> AddNormOutput:
+        """(norm(residual + delta), residual + delta) in one kernel; delta is None before the first block.
+
+        The residual is upcast to residual_dtype before the add; the norm runs on the new residual
+        rounded to out_dtype (default the weight's dtype), and its output is in out_dtype.
+        """
+        w = self.weight if out_dtype in (None, self.weight.dtype) else self.weight.to(out_dtype)
+        return self.kernels.add_rms_norm(
+            delta, residual, w, self.eps, residual_dtype=residual_dtype, weight_in_fp32=self.weight_in_fp32
+        )
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, weight_in_fp32={self.weight_in_fp32}"

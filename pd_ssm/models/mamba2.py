@@ -4,6 +4,9 @@ Numerics of the reference: each block normalizes `hidden.to(norm dtype)`; with
 `residual_in_fp32` (default True) the residual is upcast to fp32 before the add, so the hidden
 stream is fp32 from the first block on and is rounded to the activation dtype only at the input
 of each norm.  The final norm `norm_f` then sees fp32; the LM head casts to its own dtype.
+
+The model keeps the residual stream; each block takes the previous block's output (None before
+the first) and the stream, and does the residual add and its norm in one `add_rms_norm` kernel.
 """
 
 from __future__ import annotations
@@ -31,10 +34,13 @@ class Mamba2Block(nn.Module):
             config, layer_idx=layer_idx, kernels=kernels, activation=config.hf.get("hidden_act", "silu")
         )
 
-    def forward(self, hidden: torch.Tensor, meta: ForwardMeta, cache: CachePool) -> torch.Tensor:
-        residual = hidden.float() if self.residual_in_fp32 else hidden
-        out = self.mixer(self.norm(hidden.to(self.norm.weight.dtype)), meta, cache)
-        return residual + out
+    def forward(
+        self, delta: torch.Tensor | None, residual: torch.Tensor, meta: ForwardMeta, cache: CachePool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mixer output [T, hidden], residual stream [T, hidden] including delta)."""
+        residual_dtype = torch.float32 if self.residual_in_fp32 else residual.dtype
+        normed, residual = self.norm.add_forward(delta, residual, residual_dtype)
+        return self.mixer(normed, meta, cache), residual
 
 
 class Mamba2Backbone(nn.Module):
@@ -56,10 +62,13 @@ class Mamba2ForCausalLM(CausalLM):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta, cache: CachePool
     ) -> torch.Tensor:
-        hidden = self.backbone.embeddings(input_ids)
+        residual = self.backbone.embeddings(input_ids)  # [T, hidden] in the activation dtype
+        delta: torch.Tensor | None = None
         for layer in self.backbone.layers:
-            hidden = layer(hidden, meta, cache)
-        return self.backbone.norm_f(hidden)
+            delta, residual = layer(delta, residual, meta, cache)
+        # NOTE: norm_f normalizes the stream in its own dtype (fp32 with residual_in_fp32, the weight
+        # upcast), unlike the blocks' norms, which round it to the weight dtype first
+        return self.backbone.norm_f.add_forward(delta, residual, residual.dtype, out_dtype=residual.dtype).normed
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         tied = self.config.tie_word_embeddings

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pd_ssm.state_transfer.assembler import PageAssembler, frames_to_pages
 from pd_ssm.state_transfer.base import Connector, Ticket, TransferStats
+from pd_ssm.state_transfer.reservations import ReservationTable
 from pd_ssm.state_transfer.wire import (
     Frame,
     FrameError,
@@ -19,6 +20,7 @@ __all__ = [
     "Frame",
     "FrameError",
     "PageAssembler",
+    "ReservationTable",
     "Ticket",
     "TransferStats",
     "decode_frame",

@@ -2,8 +2,8 @@
 
 The decode side reserves first (a state slot, KV blocks) and answers with a `Ticket`; the prefill
 side then `send`s the request's pages to exactly that place. Method names follow vLLM's KV
-connector where the meaning is the same. Implementations: zmq.py (host staging, multipart
-frames of wire.py), nccl.py (GPU p2p with a ZMQ side channel).
+connector where the meaning is the same. Implementations: zmq_connector.py (host staging, multipart
+frames of wire.py); an NCCL connector (GPU p2p with a ZMQ side channel) is still to come.
 """
 
 from __future__ import annotations
