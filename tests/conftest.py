@@ -124,7 +124,8 @@ def pool_invariants_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
         out = inner(self)
         self.cache.check()
         held = {r.req_id for r in self.requests.values() if self.cache.holds(r.req_id)}
-        assert self.cache.num_used_slots == len(held), "a slot is held by no live request"
+        held |= {rid for rid in self.reserved if self.cache.holds(rid)}
+        assert self.cache.num_used_slots == len(held), "a slot is held by no live request or reservation"
         return out
 
     monkeypatch.setattr(Engine, "step", checked)

@@ -2,7 +2,10 @@
 
 Roles come from composition: a colocated engine has both managers and hands a request whose
 prefill is done straight to its decode batch.  `export_request` / `import_request` move a request
-with its StatePages between engines (what the disaggregated workers build on).
+with its StatePages between engines (what the disaggregated workers build on).  The decode side of
+a transfer reserves first (`reserve`: slot + KV blocks, before any page arrives, so it never
+over-commits), then `import_reserved` writes the pages into exactly that place, or
+`cancel_reservation` gives it back (expiry, failed transfer, abort).
 
 On CUDA the engine sizes its pools from `gpu_memory_utilization` after loading the weights and
 profiling a step (memory_plan.py), and captures CUDA graphs for decode-only steps unless
@@ -17,6 +20,7 @@ import itertools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -54,6 +58,13 @@ _UNBOUNDED_LEN = 1 << 20
 
 class RequestError(ValueError):
     """A request the engine refuses (bad prompt, too long, ...); nothing was allocated for it."""
+
+
+class Reservation(NamedTuple):
+    """Where a reserved request's pages go: its state slot and KV block ids (in order)."""
+
+    slot: int
+    block_ids: list[int]
 
 
 class Engine:
@@ -115,6 +126,9 @@ class Engine:
         )
         self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
+        # NOTE: request id -> tokens reserved for it; these hold cache but are not in `requests`
+        # (nor in the scheduler) until `import_reserved`
+        self.reserved: dict[str, int] = {}
         self._ids = itertools.count()
 
     def _plan_pools(self, start: MemorySnapshot, declared_len: int, graph_sizes: list[int]) -> CachePlan:
@@ -148,7 +162,7 @@ class Engine:
     ) -> Request:
         params = params or SamplingParams()
         req_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if req_id in self.requests:
+        if req_id in self.requests or req_id in self.reserved:
             raise RequestError(f"request id {req_id!r} is already in use")
         if isinstance(prompt, str):
             text: str | None = prompt
@@ -242,24 +256,59 @@ class Engine:
     def import_request(self, pages: StatePages) -> Request:
         """Install a request exported elsewhere; it joins this engine's decode batch."""
         st = pages.request
-        if st.req_id in self.requests:
-            raise RequestError(f"request id {st.req_id!r} is already in use")
-        params = SamplingParams.from_dict(st.params)
-        req = Request(st.req_id, list(st.prompt_token_ids), params, seed=st.seed, max_tokens=st.max_tokens,
-                      prompt=st.prompt, output_token_ids=list(st.output_token_ids))
-        req.num_computed_tokens = st.num_computed_tokens
-        if req.num_pending_tokens != 1:
+        self.reserve(st.req_id, len(st.prompt_token_ids) + len(st.output_token_ids))
+        return self.import_reserved(pages)
+
+    def reserve(self, req_id: str, num_tokens: int) -> Reservation:
+        """Hold a state slot and the KV blocks for `num_tokens` tokens for a request whose pages
+        have not arrived yet (the decode side's answer to the router's Reserve).
+
+        Raises CacheFullError (nothing held) when the pools cannot take it: the caller refuses,
+        never over-commits. The request does not run until `import_reserved`.
+        """
+        if req_id in self.requests or req_id in self.reserved:
+            raise RequestError(f"request id {req_id!r} is already in use")
+        if not 0 < num_tokens <= self.max_model_len:
             raise RequestError(
-                f"request {st.req_id!r} has {req.num_pending_tokens} pending tokens; only requests "
-                f"ready to decode (prefill finished, one token pending) can be imported"
+                f"cannot reserve {num_tokens} tokens for {req_id!r}: give 1..{self.max_model_len} "
+                f"(the maximum model length)"
             )
-        self.cache.allocate(req.req_id, req.num_tokens)
+        slot = self.cache.allocate(req_id, num_tokens)
+        self.reserved[req_id] = num_tokens
+        return Reservation(slot, list(self.cache.block_table(req_id)))
+
+    def import_reserved(self, pages: StatePages) -> Request:
+        """Write pages into the slot / blocks `reserve` held for them; the request joins the decode
+        batch. On any failure the reservation is freed and the error raised."""
+        st = pages.request
+        if st.req_id not in self.reserved:
+            raise RequestError(f"request {st.req_id!r} holds no reservation here (never made, cancelled or used)")
         try:
+            params = SamplingParams.from_dict(st.params)
+            req = Request(st.req_id, list(st.prompt_token_ids), params, seed=st.seed, max_tokens=st.max_tokens,
+                          prompt=st.prompt, output_token_ids=list(st.output_token_ids))
+            req.num_computed_tokens = st.num_computed_tokens
+            if req.num_pending_tokens != 1:
+                raise RequestError(
+                    f"request {st.req_id!r} has {req.num_pending_tokens} pending tokens; only requests "
+                    f"ready to decode (prefill finished, one token pending) can be imported"
+                )
+            if req.num_tokens > self.reserved[st.req_id]:
+                raise RequestError(
+                    f"request {st.req_id!r} has {req.num_tokens} tokens but only "
+                    f"{self.reserved[st.req_id]} were reserved: reserve prompt + 1 tokens"
+                )
             import_pages(self.pool, pages, self.cache.slot(req.req_id), self.cache.block_table(req.req_id))
         except Exception:
-            self.cache.free(req.req_id)
+            self.cancel_reservation(st.req_id)
             raise
+        del self.reserved[st.req_id]
         self.requests[req.req_id] = req
         req.status = Status.WAITING
         self.scheduler.add_decoding(req)
         return req
+
+    def cancel_reservation(self, req_id: str) -> None:
+        """Free a reservation whose pages will not come (expired, failed, aborted); idempotent."""
+        if self.reserved.pop(req_id, None) is not None:
+            self.cache.free(req_id)
