@@ -35,10 +35,8 @@ The process group is the pairing (one NcclConnector per process: it owns the def
 from __future__ import annotations
 
 import hmac
-import itertools
 import time
 import zlib
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -50,6 +48,7 @@ import zmq
 
 from pd_ssm.cache.pages import LayerPages, RequestState, StatePages
 from pd_ssm.state_transfer.base import Connector, Ticket, TransferStats
+from pd_ssm.state_transfer.ledger import TransferLedger
 from pd_ssm.state_transfer.nccl_message import TensorMeta, pack, parse_control, parse_request, parse_tensors
 from pd_ssm.state_transfer.reservations import ReservationTable
 from pd_ssm.state_transfer.wire import (
@@ -126,12 +125,7 @@ class NcclConnector(Connector):
             self.address = pull.getsockopt_string(zmq.LAST_ENDPOINT)
             self._pull = pull
         self._pending: list[_Outgoing] = []
-        self._aborted: OrderedDict[str, None] = OrderedDict()
-        self._sent: set[str] = set()
-        self._received: set[str] = set()
-        self._failed: dict[str, str] = {}
-        self._stats: dict[str, TransferStats] = {}
-        self._anon = itertools.count()
+        self.ledger = TransferLedger(_MAX_ABORTED)
         self._broken: str | None = None
         self._closed = False
         if self.device.type == "cuda":
@@ -157,7 +151,7 @@ class NcclConnector(Connector):
             raise ValueError(f"ticket names {ticket.req_id!r} but the pages are of {pages.req_id!r}")
         if ticket.expired():
             raise ValueError(f"the reservation of {ticket.req_id!r} expired {-ticket.remaining():.3f} s ago")
-        self._aborted.pop(pages.req_id, None)  # a resent request id is a new transfer
+        self.ledger.forget_abort(pages.req_id)  # a resent request id is a new transfer
         start = time.monotonic()
         buf, metas = pack(pages, self.device)
         control = msgpack.packb({"req_id": pages.req_id, "nbytes": buf.numel()}, use_bin_type=True)
@@ -166,8 +160,8 @@ class NcclConnector(Connector):
         try:
             self._socket(ticket.address).send_multipart(parts)
         except zmq.Again:
-            self._failed[pages.req_id] = (
-                f"peer {ticket.address} did not take the metadata within {self.config.send_timeout} s"
+            self.ledger.fail(
+                pages.req_id, f"peer {ticket.address} did not take the metadata within {self.config.send_timeout} s"
             )
             return
         work = dist.isend(buf, dst=RECEIVER_RANK)
@@ -192,10 +186,7 @@ class NcclConnector(Connector):
             if not (out.done or out.work.is_completed()):
                 still.append(out)
                 continue
-            if out.req_id not in self._aborted:
-                self._sent.add(out.req_id)
-                nbytes = out.buf.numel()
-                self._stats[out.req_id] = TransferStats(out.req_id, nbytes, time.monotonic() - out.start)
+            self.ledger.sent(TransferStats(out.req_id, out.buf.numel(), time.monotonic() - out.start))
         self._pending = still
 
     def _socket(self, address: str) -> zmq.Socket:
@@ -233,27 +224,27 @@ class NcclConnector(Connector):
         control = parse_control(msg[1]) if len(msg) == 5 else None
         if control is None:
             self._broken = "a side-channel message without a readable byte count: the p2p stream is lost"
-            self._failed[f"!desync-{next(self._anon)}"] = self._broken
+            self.ledger.fail_anonymous("desync", self._broken)
             return None
         req_id, nbytes = control
         buf = self._recv_bytes(req_id, nbytes)  # NOTE: always, so the stream stays in sync
         if buf is None:
             return None
         if not hmac.compare_digest(msg[0], self._token):
-            self._failed[f"!unauthenticated-{next(self._anon)}"] = (
+            self.ledger.fail_anonymous("unauthenticated", (
                 f"request {req_id!r} with a wrong cluster token: {nbytes} bytes drained and dropped"
-            )
+            ))
             return None
-        if req_id in self._aborted:
+        if self.ledger.is_aborted(req_id):
             return None  # aborted here: dropped silently (the abort was the caller's own)
         table = self.reservations
         ticket = table.get(req_id)
         if ticket is None:
-            self._failed[req_id] = "no reservation for this request (unknown, completed or expired)"
+            self.ledger.fail(req_id, "no reservation for this request (unknown, completed or expired)")
             return None
         if ticket.expired(table.clock()):
             table.cancel(req_id)
-            self._failed[req_id] = "its reservation expired before the pages arrived"
+            self.ledger.fail(req_id, "its reservation expired before the pages arrived")
             return None
         try:
             request = parse_request(msg[2], msg[3], req_id)
@@ -261,11 +252,10 @@ class NcclConnector(Connector):
             pages = self._unpack(request, metas, buf)
         except FrameError as e:
             table.cancel(req_id)
-            self._failed[req_id] = f"bad metadata or bytes: {e}"
+            self.ledger.fail(req_id, f"bad metadata or bytes: {e}")
             return None
         table.complete(req_id)
-        self._received.add(req_id)
-        self._stats[req_id] = TransferStats(req_id, nbytes, time.monotonic() - start)
+        self.ledger.received(TransferStats(req_id, nbytes, time.monotonic() - start))
         return pages
 
     def _recv_bytes(self, req_id: str, nbytes: int) -> torch.Tensor | None:
@@ -280,7 +270,7 @@ class NcclConnector(Connector):
             why = "timed out"
         if ok is False:
             self._broken = f"p2p recv of {req_id!r} ({nbytes} B) failed: {why}"
-            self._failed[req_id] = self._broken
+            self.ledger.fail(req_id, self._broken)
             return None
         return buf
 
@@ -308,29 +298,20 @@ class NcclConnector(Connector):
     def get_finished(self) -> tuple[set[str], set[str]]:
         if not self._closed and self._broken is None:
             self._reap()
-        sent, received = self._sent, self._received
-        self._sent, self._received = set(), set()
-        return sent, received
+        return self.ledger.take_finished()
 
     def get_failed(self) -> dict[str, str]:
-        failed, self._failed = self._failed, {}
-        return failed
+        return self.ledger.take_failed()
 
     def get_stats(self) -> dict[str, TransferStats]:
         """Per-request TransferStats since the last call (sender: send() to isend completed;
         receiver: metadata read to tensors unpacked)."""
-        stats, self._stats = self._stats, {}
-        return stats
+        return self.ledger.take_stats()
 
     def abort(self, req_id: str) -> None:
         """Receiver: cancel the reservation; the request's bytes, if they come, are drained and
         dropped. Sender: a send already posted still completes (stream sync) but is not reported."""
-        self._aborted[req_id] = None
-        while len(self._aborted) > _MAX_ABORTED:
-            self._aborted.popitem(last=False)
-        self._sent.discard(req_id)
-        self._received.discard(req_id)
-        self._failed.pop(req_id, None)
+        self.ledger.abort(req_id)
         if self.reservations is not None:
             self.reservations.cancel(req_id)
 

@@ -23,9 +23,8 @@ unparsable first header) are keyed "!<what>-<n>": they hold nothing for the call
 from __future__ import annotations
 
 import hmac
-import itertools
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 
 import msgpack
@@ -35,6 +34,7 @@ import zmq
 from pd_ssm.cache.pages import LayerPages, StatePages
 from pd_ssm.state_transfer.assembler import PageAssembler
 from pd_ssm.state_transfer.base import Connector, Ticket, TransferStats
+from pd_ssm.state_transfer.ledger import TransferLedger
 from pd_ssm.state_transfer.reservations import ReservationTable
 from pd_ssm.state_transfer.wire import MAX_HEADER_BYTES, FrameError, decode_frame, pages_to_frames
 
@@ -84,12 +84,7 @@ class ZmqConnector(Connector):
         self._push: dict[str, zmq.Socket] = {}
         self._outbox: deque[_Outgoing] = deque()
         self._in_zmq: list[_Outgoing] = []  # accepted by ZMQ, buffers not yet released
-        self._aborted: OrderedDict[str, None] = OrderedDict()
-        self._sent: set[str] = set()
-        self._received: set[str] = set()
-        self._failed: dict[str, str] = {}
-        self._stats: dict[str, TransferStats] = {}
-        self._anon = itertools.count()
+        self.ledger = TransferLedger(_MAX_ABORTED)
         self._closed = False
         self._pull: zmq.Socket | None = None
         self.address: str | None = None
@@ -109,7 +104,7 @@ class ZmqConnector(Connector):
             raise ValueError(f"ticket names {ticket.req_id!r} but the pages are of {pages.req_id!r}")
         if ticket.expired():
             raise ValueError(f"the reservation of {ticket.req_id!r} expired {-ticket.remaining():.3f} s ago")
-        self._aborted.pop(pages.req_id, None)  # a resent request id is a new transfer
+        self.ledger.forget_abort(pages.req_id)  # a resent request id is a new transfer
         host = _to_host(pages)
         parts = [self._token] + [p for frame in pages_to_frames(host) for p in frame]
         frames = [zmq.Frame(p, copy=False, track=True) for p in parts]
@@ -175,9 +170,8 @@ class ZmqConnector(Connector):
         for out in self._in_zmq:
             if not out.tracker.done:
                 still.append(out)
-            elif out.req_id not in self._aborted:
-                self._sent.add(out.req_id)
-                self._stats[out.req_id] = TransferStats(out.req_id, out.nbytes, time.monotonic() - out.start)
+            else:
+                self.ledger.sent(TransferStats(out.req_id, out.nbytes, time.monotonic() - out.start))
         self._in_zmq = still
 
     def _socket(self, address: str) -> zmq.Socket:
@@ -214,18 +208,16 @@ class ZmqConnector(Connector):
         assert self.reservations is not None
         start = time.monotonic()
         if not msg or not hmac.compare_digest(msg[0].bytes, self._token):
-            self._failed[f"!unauthenticated-{next(self._anon)}"] = (
+            self.ledger.fail_anonymous("unauthenticated", (
                 f"message of {len(msg)} parts with a wrong cluster token dropped"
-            )
+            ))
             return None
         parts = msg[1:]
         req_id = _peek_req_id(parts[0].buffer) if parts else None
         if req_id is None:
-            self._failed[f"!malformed-{next(self._anon)}"] = (
-                "message whose first frame names no request dropped"
-            )
+            self.ledger.fail_anonymous("malformed", "message whose first frame names no request dropped")
             return None
-        if req_id in self._aborted:
+        if self.ledger.is_aborted(req_id):
             return None  # aborted here: its late pages are dropped silently (abort already reported)
         table = self.reservations
         ticket = table.get(req_id)
@@ -250,9 +242,8 @@ class ZmqConnector(Connector):
             self._fail(req_id, f"bad frame: {e}")
             return None
         table.complete(req_id)
-        self._received.add(req_id)
         nbytes = sum(len(p.buffer) for p in msg)
-        self._stats[req_id] = TransferStats(req_id, nbytes, time.monotonic() - start)
+        self.ledger.received(TransferStats(req_id, nbytes, time.monotonic() - start))
         return pages
 
     # ------------------------------------------------------------------------------- bookkeeping
@@ -260,30 +251,21 @@ class ZmqConnector(Connector):
     def get_finished(self) -> tuple[set[str], set[str]]:
         if not self._closed:
             self._pump()
-        sent, received = self._sent, self._received
-        self._sent, self._received = set(), set()
-        return sent, received
+        return self.ledger.take_finished()
 
     def get_failed(self) -> dict[str, str]:
-        failed, self._failed = self._failed, {}
-        return failed
+        return self.ledger.take_failed()
 
     def get_stats(self) -> dict[str, TransferStats]:
         """Per-request TransferStats since the last call: the sender times send() to buffers released,
         the receiver times checking and decoding one message (clocks of two hosts never mix)."""
-        stats, self._stats = self._stats, {}
-        return stats
+        return self.ledger.take_stats()
 
     def abort(self, req_id: str) -> None:
         """Sender: drop its queued sends (one ZMQ already took still goes out; the receiver's
         ticket then decides). Receiver: cancel its reservation and drop its later messages."""
-        self._aborted[req_id] = None
-        while len(self._aborted) > _MAX_ABORTED:
-            self._aborted.popitem(last=False)
+        self.ledger.abort(req_id)
         self._outbox = deque(o for o in self._outbox if o.req_id != req_id)
-        self._sent.discard(req_id)
-        self._received.discard(req_id)
-        self._failed.pop(req_id, None)
         if self.reservations is not None:
             self.reservations.cancel(req_id)
 
@@ -301,7 +283,7 @@ class ZmqConnector(Connector):
         self._ctx.term()
 
     def _fail(self, req_id: str, reason: str) -> None:
-        self._failed[req_id] = reason
+        self.ledger.fail(req_id, reason)
 
     def _check_open(self) -> None:
         if self._closed:
