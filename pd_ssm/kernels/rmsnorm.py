@@ -35,6 +35,19 @@ def _check_norm_args(k: str, x: Tensor, weight: Tensor) -> None:
     check_last_dim_contiguous(k, "x", x)
 
 
+def _check_gated_norm_args(x: Tensor, gate: Tensor, weight: Tensor, group_size: int) -> None:
+    """The checks of rms_norm_gated, shared by the reference and the Triton launcher."""
+    k = "rms_norm_gated"
+    _check_norm_args(k, x, weight)
+    check_shape(k, "gate", gate, "[T, d]", tuple(x.shape))
+    check_dtype(k, "gate", gate, FLOAT_DTYPES)
+    check_last_dim_contiguous(k, "gate", gate)
+    check_same_device(k, x=x, gate=gate, weight=weight)
+    d = x.shape[1]
+    if group_size <= 0 or d % group_size != 0:
+        raise ValueError(f"{k}: d ({d}) must be a multiple of group_size ({group_size})")
+
+
 def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, *, weight_in_fp32: bool = False) -> Tensor:
     """y = weight * x / sqrt(mean(x^2) + eps) over the last axis.
 
@@ -99,15 +112,8 @@ def rms_norm_gated_ref(x: Tensor, gate: Tensor, weight: Tensor, eps: float, grou
     The gate multiplies before the norm (HF's MambaRMSNormGated, mamba_ssm's norm_before_gate=False).
     Returns y [T, d] in x.dtype.
     """
-    k = "rms_norm_gated"
-    _check_norm_args(k, x, weight)
-    check_shape(k, "gate", gate, "[T, d]", tuple(x.shape))
-    check_dtype(k, "gate", gate, FLOAT_DTYPES)
-    check_last_dim_contiguous(k, "gate", gate)
-    check_same_device(k, x=x, gate=gate, weight=weight)
+    _check_gated_norm_args(x, gate, weight, group_size)
     T, d = x.shape
-    if group_size <= 0 or d % group_size != 0:
-        raise ValueError(f"{k}: d ({d}) must be a multiple of group_size ({group_size})")
     h = x.float() * F.silu(gate.float())  # [T, d] fp32
     h = h.view(T, d // group_size, group_size)  # [T, groups, group_size]
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

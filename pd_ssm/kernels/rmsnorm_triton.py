@@ -21,13 +21,14 @@ import triton.language as tl
 from torch import Tensor
 
 from pd_ssm.kernels._checks import (
-    FLOAT_DTYPES,
-    check_dtype,
-    check_last_dim_contiguous,
     check_same_device,
-    check_shape,
 )
-from pd_ssm.kernels.rmsnorm import AddNormOutput, _check_add_norm_args, _check_norm_args
+from pd_ssm.kernels.rmsnorm import (
+    AddNormOutput,
+    _check_add_norm_args,
+    _check_gated_norm_args,
+    _check_norm_args,
+)
 
 # NOTE: a group up to this many features is held in registers (one read of x); longer groups take
 # two passes over x, the second mostly from L2
@@ -131,15 +132,7 @@ def rms_norm_gated_triton(x: Tensor, gate: Tensor, weight: Tensor, eps: float, g
     Shapes: x, gate [T, d] (fp32/bf16/fp16, stride 1 on the last axis; gate may differ in dtype);
     weight [d] in x.dtype; d % group_size == 0. Returns y [T, d] in x.dtype. No host sync.
     """
-    k = "rms_norm_gated"
-    _check_norm_args(k, x, weight)
-    check_shape(k, "gate", gate, "[T, d]", tuple(x.shape))
-    check_dtype(k, "gate", gate, FLOAT_DTYPES)
-    check_last_dim_contiguous(k, "gate", gate)
-    check_same_device(k, x=x, gate=gate, weight=weight)
-    d = x.shape[1]
-    if group_size <= 0 or d % group_size != 0:
-        raise ValueError(f"{k}: d ({d}) must be a multiple of group_size ({group_size})")
+    _check_gated_norm_args(x, gate, weight, group_size)
     return _launch(x, gate, weight, eps, group_size, False)
 
 
