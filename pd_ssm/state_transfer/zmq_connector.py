@@ -141,30 +141,21 @@ class ZmqConnector(Connector):
         waiting: deque[_Outgoing] = deque()
         now = time.monotonic()
         for out in self._outbox:
-            if out.address in blocked:
-                if now >= out.deadline:
-                    self._fail(
-                        out.req_id,
-                        f"peer {out.address} did not accept it within {self.config.send_timeout} s",
-                    )
+            if out.address not in blocked:
+                assert out.frames is not None
+                try:
+                    self._socket(out.address).send_multipart(out.frames, flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    blocked.add(out.address)
                 else:
-                    waiting.append(out)
-                continue
-            assert out.frames is not None
-            try:
-                self._socket(out.address).send_multipart(out.frames, flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                blocked.add(out.address)
-                if now >= out.deadline:
-                    self._fail(
-                        out.req_id,
-                        f"peer {out.address} did not accept it within {self.config.send_timeout} s",
-                    )
-                else:
-                    waiting.append(out)
-                continue
-            out.frames = None  # drop our references so the tracker can complete
-            self._in_zmq.append(out)
+                    out.frames = None  # drop our references so the tracker can complete
+                    self._in_zmq.append(out)
+                    continue
+            # not taken: it waits for its peer until its deadline
+            if now >= out.deadline:
+                self._fail(out.req_id, f"peer {out.address} did not accept it within {self.config.send_timeout} s")
+            else:
+                waiting.append(out)
         self._outbox = waiting
         still: list[_Outgoing] = []
         for out in self._in_zmq:
