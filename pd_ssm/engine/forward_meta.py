@@ -13,7 +13,7 @@ Python side (and the torch reference kernels) never synchronize with the device 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,9 @@ class ForwardMeta:
     query_start_loc_cpu: list[int]
     context_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # NOTE: every SSM and attention layer asks for the same two views; built once per step
+    _prefill: ForwardMeta | None = field(default=None, init=False, repr=False, compare=False)
+    _decode: ForwardMeta | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -44,6 +47,17 @@ class ForwardMeta:
 
     def prefill_view(self) -> ForwardMeta:
         """The prefill sequences alone, token offsets rebased to start at 0."""
+        if self._prefill is None:
+            self._prefill = self._make_prefill_view()
+        return self._prefill
+
+    def decode_view(self) -> ForwardMeta:
+        """The decode sequences alone (one token each)."""
+        if self._decode is None:
+            self._decode = self._make_decode_view()
+        return self._decode
+
+    def _make_prefill_view(self) -> ForwardMeta:
         d = self.num_decodes
         base = self.query_start_loc_cpu[d]
         return ForwardMeta(
@@ -62,8 +76,7 @@ class ForwardMeta:
             seq_lens_cpu=self.seq_lens_cpu[d:],
         )
 
-    def decode_view(self) -> ForwardMeta:
-        """The decode sequences alone (one token each)."""
+    def _make_decode_view(self) -> ForwardMeta:
         d = self.num_decodes
         return ForwardMeta(
             num_decodes=d,
