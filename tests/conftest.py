@@ -74,6 +74,25 @@ needs_reference_transformers = pytest.mark.skipif(
 )
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def record_logits(llm: Any) -> dict[str, list[torch.Tensor]]:
+    """Wrap an LLM's runner so every sampled row's logits are kept, per request, in order."""
+    seen: dict[str, list[torch.Tensor]] = {}
+    runner = llm.engine.runner
+    inner = runner.forward_logits
+
+    def wrapped(sched: Any) -> Any:
+        logits, reqs = inner(sched)
+        for row, req in zip(logits, reqs, strict=True):
+            seen.setdefault(req.req_id, []).append(row.detach().clone())
+        return logits, reqs
+
+    runner.forward_logits = wrapped
+    return seen
+
+
 def build_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
     import transformers
 

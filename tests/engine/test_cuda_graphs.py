@@ -31,9 +31,7 @@ from pd_ssm.engine.cuda_graphs import (
 )
 from pd_ssm.engine.engine import Engine
 from pd_ssm.kernels.dispatch import KernelNotAvailable, get_kernels
-from tests.conftest import random_prompts
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+from tests.conftest import needs_cuda, random_prompts
 
 PURE = ["mamba2-g1", "mamba2-g2-tied"]
 HYBRID = ["bamba-attn-middle", "nemotron-h"]

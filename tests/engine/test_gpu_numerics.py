@@ -8,24 +8,12 @@ import pytest
 import torch
 
 from pd_ssm import LLM, SamplingParams
-from tests.conftest import random_prompts
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+from tests.conftest import needs_cuda, random_prompts, record_logits
 
 
 def step_logits(llm: LLM, prompts: list[list[int]], n: int) -> dict[str, list[torch.Tensor]]:
     """Greedy-run the prompts; return every sampled row's logits per request, in order."""
-    seen: dict[str, list[torch.Tensor]] = {}
-    runner = llm.engine.runner
-    inner = runner.forward_logits
-
-    def wrapped(sched: Any) -> Any:
-        logits, reqs = inner(sched)
-        for row, req in zip(logits, reqs, strict=True):
-            seen.setdefault(req.req_id, []).append(row.float().cpu())
-        return logits, reqs
-
-    runner.forward_logits = wrapped  # type: ignore[method-assign]
+    seen = record_logits(llm)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     return seen
 

@@ -18,10 +18,10 @@ from pd_ssm.engine.memory_plan import (
     plan_pools,
     state_slot_bytes,
 )
+from tests.conftest import needs_cuda
 
 GIB = 1 << 30
 MIB = 1 << 20
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.mark.parametrize("name", ["mamba2-g1", "bamba-attn-first", "nemotron-h"])

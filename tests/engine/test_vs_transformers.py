@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pd_ssm import LLM, SamplingParams
-from tests.conftest import TINY, random_prompts
+from tests.conftest import TINY, random_prompts, record_logits
 
 NEW_TOKENS = 32
 LENGTHS = [1, 7, 16, 23, 50, 37]
@@ -35,22 +35,6 @@ def hf_generate(model: torch.nn.Module, prompt: list[int], n: int) -> tuple[list
     tokens = out.sequences[0, len(prompt):].tolist()
     logits = torch.stack([lg[0].float() for lg in out.logits])  # [n, vocab]
     return tokens, logits
-
-
-def record_logits(llm: LLM) -> dict[str, list[torch.Tensor]]:
-    """Wrap the runner so every sampled row's logits are kept, per request, in order."""
-    seen: dict[str, list[torch.Tensor]] = {}
-    runner = llm.engine.runner
-    inner = runner.forward_logits
-
-    def wrapped(sched: Any) -> Any:
-        logits, reqs = inner(sched)
-        for row, req in zip(logits, reqs, strict=True):
-            seen.setdefault(req.req_id, []).append(row.detach().clone())
-        return logits, reqs
-
-    runner.forward_logits = wrapped  # type: ignore[method-assign]
-    return seen
 
 
 def assert_pools_clean(llm: LLM) -> None:
