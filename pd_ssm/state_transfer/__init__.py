@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pd_ssm.state_transfer.assembler import PageAssembler, frames_to_pages
-from pd_ssm.state_transfer.base import Connector, Ticket, TransferStats
+from pd_ssm.state_transfer.base import Connector, StreamingConnector, Ticket, TransferStats
 from pd_ssm.state_transfer.reservations import ReservationTable
 from pd_ssm.state_transfer.wire import (
     Frame,
@@ -21,6 +21,7 @@ __all__ = [
     "FrameError",
     "PageAssembler",
     "ReservationTable",
+    "StreamingConnector",
     "Ticket",
     "TransferStats",
     "decode_frame",

@@ -32,6 +32,9 @@ class PageAssembler:
             raise FrameError(f"frame of {frame.req_id!r} given to the assembler of {self.req_id!r}")
         if self.done:
             raise FrameError(f"{frame.kind} frame of {self.req_id!r} arrived after its end frame")
+        if frame.kind == "abort":
+            assert frame.body is not None
+            raise FrameError(f"{self.req_id!r} was aborted by its sender: {frame.body['reason']}")
         if frame.kind == "end":
             assert frame.body is not None
             self._finish(frame.body["num_frames"])

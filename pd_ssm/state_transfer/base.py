@@ -3,7 +3,11 @@
 The decode side reserves first (a state slot, KV blocks) and answers with a `Ticket`; the prefill
 side then `send`s the request's pages to exactly that place. Method names follow vLLM's KV
 connector where the meaning is the same. Implementations: zmq_connector.py (host staging, multipart
-frames of wire.py); an NCCL connector (GPU p2p with a ZMQ side channel) is still to come.
+frames of wire.py) and nccl_connector.py (GPU p2p with a ZMQ side channel).
+
+Layer-wise streaming: a `StreamingConnector` also takes a request's pages in pieces
+(`send_layers`, as the prefill forward finishes each layer), one ticket for all of them, then the
+usual `send` as the last call. A connector without it gets the whole request in one `send`.
 """
 
 from __future__ import annotations
@@ -11,10 +15,11 @@ from __future__ import annotations
 import hmac
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
-from pd_ssm.cache.pages import StatePages
+from pd_ssm.cache.pages import LayerPages, StatePages
 
 
 @dataclass(slots=True)
@@ -81,10 +86,10 @@ class Connector(ABC):
     def send(self, pages: StatePages, ticket: Ticket) -> None:
         """Start sending `pages` to the place `ticket` reserved; returns without waiting.
 
-        May be called once per request with all layers, or once per layer as layers finish
-        (layer-wise streaming) — `pages.layers` then holds only the new layers; the request frame
-        and end frame go with the last call. Raises ValueError if the ticket has expired or does
-        not name this request. Completion is reported by `get_finished()[0]`.
+        The last (or only) call for a request: it carries the RequestState (with the first
+        token). After `send_layers` calls (StreamingConnector), `pages.layers` holds only the
+        layers not streamed yet, possibly none. Raises ValueError if the ticket has expired or
+        does not name this request. Completion is reported by `get_finished()[0]`.
         """
 
     @abstractmethod
@@ -126,3 +131,16 @@ class Connector(ABC):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+class StreamingConnector(Connector):
+    """A connector that also takes one request's pages in pieces (layer-wise streaming)."""
+
+    @abstractmethod
+    def send_layers(self, ticket: Ticket, layers: Sequence[LayerPages]) -> None:
+        """Start sending some layers of `ticket.req_id` ahead of its final `send`; returns at once.
+
+        Every layer goes out exactly once over all calls (the receiver rejects a duplicate);
+        the receiver holds the pieces and reports the request only after the final `send` and
+        the checks of every layer. Raises ValueError on an expired ticket.
+        """

@@ -3,14 +3,18 @@
 Every frame is two parts, `[header, payload]`:
 
   header   a msgpack map (no ext types, str keys)
-             magic b"PDSM", version 1, kind "page" | "request" | "end", req_id, nbytes, checksum
+             magic b"PDSM", version 1, kind "page" | "request" | "end" | "abort", req_id, nbytes,
+             checksum
              + for "page": layer, page_kind ("ssm" | "attention"), name, dtype, shape
   payload  "page":              the tensor's raw bytes, C order, native (little-endian) byte order
            "request" / "end":   a msgpack map (the RequestState fields / {"num_frames": n})
+           "abort":             a msgpack map {"reason": str}
 
 A request is sent as one "request" frame and one "page" frame per (layer, tensor), in any order
 (layer-wise streaming sends pages as layers finish), then one "end" frame whose num_frames counts
-the frames before it; `PageAssembler` checks that everything arrived exactly once.
+the frames before it; `PageAssembler` checks that everything arrived exactly once. A sender that
+gives up on a request it already streamed pages of sends one "abort" frame, so the receiver
+releases the reservation at once instead of at its expiry.
 
 Checksum: zlib.crc32 (C speed, in the standard library, so both peers always agree on the
 algorithm — an optional xxhash would let two peers silently disagree). It guards against
@@ -24,13 +28,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
 import torch
 
-from pd_ssm.cache.pages import RequestState, StatePages
+from pd_ssm.cache.pages import LayerPages, RequestState, StatePages
 
 MAGIC = b"PDSM"
 VERSION = 1
@@ -50,7 +55,7 @@ DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
 }
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-KINDS = ("page", "request", "end")
+KINDS = ("page", "request", "end", "abort")
 PAGE_KINDS = ("ssm", "attention")
 
 _COMMON = frozenset({"magic", "version", "kind", "req_id", "nbytes", "checksum"})
@@ -58,6 +63,7 @@ _FIELDS = {
     "page": _COMMON | {"layer", "page_kind", "name", "dtype", "shape"},
     "request": _COMMON,
     "end": _COMMON,
+    "abort": _COMMON,
 }
 # The body of a "request" frame is exactly RequestState's fields: a renamed field fails loudly.
 _REQUEST_ORDER = tuple(f.name for f in dataclasses.fields(RequestState))
@@ -72,13 +78,13 @@ class FrameError(ValueError):
 
 
 class Frame(NamedTuple):
-    kind: str  # "page" | "request" | "end"
+    kind: str  # "page" | "request" | "end" | "abort"
     req_id: str
     layer_idx: int | None = None  # page frames only
     page_kind: str | None = None
     name: str | None = None
     tensor: torch.Tensor | None = None  # CPU, owns its memory
-    body: dict[str, Any] | None = None  # request / end frames only
+    body: dict[str, Any] | None = None  # request / end / abort frames only
 
 
 # ------------------------------------------------------------------------------------ encode
@@ -123,14 +129,24 @@ def encode_end(req_id: str, num_frames: int) -> Parts:
     return _encode_body("end", req_id, {"num_frames": num_frames})
 
 
+def encode_abort(req_id: str, reason: str) -> Parts:
+    """The sender gave up on `req_id`: the receiver drops what arrived and releases its place."""
+    return _encode_body("abort", req_id, {"reason": reason})
+
+
 def pages_to_frames(pages: StatePages) -> list[Parts]:
-    frames = [encode_request(pages.request)]
-    for layer_idx in sorted(pages.layers):
-        page = pages.layers[layer_idx]
-        for name in sorted(page.tensors):
-            frames.append(encode_page(pages.req_id, layer_idx, page.kind, name, page.tensors[name]))
+    frames = [encode_request(pages.request), *layers_to_frames(pages.req_id, pages.layers.values())]
     frames.append(encode_end(pages.req_id, len(frames)))
     return frames
+
+
+def layers_to_frames(req_id: str, layers: Iterable[LayerPages]) -> list[Parts]:
+    """One page frame per (layer, tensor), layers and names in sorted order."""
+    return [
+        encode_page(req_id, page.layer_idx, page.kind, name, page.tensors[name])
+        for page in sorted(layers, key=lambda p: p.layer_idx)
+        for name in sorted(page.tensors)
+    ]
 
 
 def _encode_body(kind: str, req_id: str, body: dict[str, Any]) -> Parts:
@@ -209,6 +225,10 @@ def decode_frame(header: Buffer, payload: Buffer | None) -> Frame:
         raise FrameError(f"{kind} body must be a msgpack map, got {type(body).__name__}")
     if kind == "request":
         _check_request_body(body, req_id)
+    elif kind == "abort":
+        if set(body) != {"reason"}:
+            raise FrameError(f"abort body must be exactly {{'reason'}}, got {sorted(map(str, body))}")
+        _typed(body, "reason", str)
     else:
         if set(body) != {"num_frames"}:
             raise FrameError(f"end body must be exactly {{'num_frames'}}, got {sorted(map(str, body))}")

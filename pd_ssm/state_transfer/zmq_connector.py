@@ -1,42 +1,19 @@
-"""ZmqConnector: StatePages over ZMQ PUSH/PULL, one multipart message per request.
-
-Message = [cluster token, header_0, payload_0, header_1, payload_1, ...], the frames of wire.py
-for one whole request (request frame, page frames, end frame). Payloads leave zero-copy
-(`copy=False`) from contiguous host tensors; GPU pages are first copied into pinned host staging.
-
-Roles by composition: a connector with `bind` (and a ReservationTable) receives; any connector
-sends, keeping one PUSH socket per destination address. There are no background threads: queued
-sends make progress in `send`, `flush` and `get_finished`, receives in `recv` / `poll`.
-
-Sender: a message waits in an outbox until ZMQ accepts it (IMMEDIATE: only onto a connected
-peer; SNDHWM bounds ZMQ's queue); one not accepted within `send_timeout` fails (`get_failed`),
-so a dead peer never hangs the sender. A request counts as sent once ZMQ has released all its
-buffers (MessageTracker) -- the caller may reuse its pages then.
-
-Receiver: each message is authenticated (constant-time token compare), must name a request with
-a live Ticket in the ReservationTable, and is decoded and assembled completely before anything is
-returned; any failure drops the whole message, cancels the reservation and is reported by
-`get_failed` (never raised into the caller's loop). Failures that name no request (wrong token,
-unparsable first header) are keyed "!<what>-<n>": they hold nothing for the caller to release.
-"""
-
 from __future__ import annotations
 
-import hmac
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import msgpack
 import torch
 import zmq
 
 from pd_ssm.cache.pages import LayerPages, StatePages
-from pd_ssm.state_transfer.assembler import PageAssembler
-from pd_ssm.state_transfer.base import Connector, Ticket, TransferStats
+from pd_ssm.state_transfer.base import StreamingConnector, Ticket, TransferStats
+from pd_ssm.state_transfer.inbox import Inbox
 from pd_ssm.state_transfer.ledger import TransferLedger
 from pd_ssm.state_transfer.reservations import ReservationTable
-from pd_ssm.state_transfer.wire import MAX_HEADER_BYTES, FrameError, decode_frame, pages_to_frames
+from pd_ssm.state_transfer.wire import Parts, encode_abort, encode_end, encode_request, layers_to_frames
 
 _MAX_ABORTED = 1 << 16  # remembered aborted ids (to drop their late messages), oldest forgotten first
 
@@ -45,7 +22,7 @@ _MAX_ABORTED = 1 << 16  # remembered aborted ids (to drop their late messages), 
 class ZmqConfig:
     token: str  # the cluster token; both peers hold the same one
     send_timeout: float = 5.0  # seconds a message may wait for the peer to accept it
-    sndhwm: int = 8  # messages (= whole requests) ZMQ queues per peer on the send side
+    sndhwm: int = 8  # messages (a whole request, or one streamed piece) ZMQ queues per peer
     rcvhwm: int = 8  # and on the receive side
     linger_ms: int = 1000  # how long close() may wait to flush accepted messages
 
@@ -59,17 +36,29 @@ class ZmqConfig:
 
 
 @dataclass(slots=True)
+class _Stream:
+    """One request on its way out, over one or more messages."""
+
+    address: str
+    start: float  # time.monotonic() of its first message
+    nbytes: int = 0  # tensor bytes handed over so far
+    num_frames: int = 0  # frames queued so far (the end frame's count)
+    messages: int = 0  # messages queued or inside ZMQ whose buffers are not yet released
+    handed_to_zmq: bool = False  # the peer may hold part of it: an abort must tell it
+    final: bool = False  # its last message (request + end frames) is queued
+
+
+@dataclass(slots=True)
 class _Outgoing:
     req_id: str
     address: str
     frames: list[zmq.Frame] | None  # None once handed to ZMQ
     tracker: zmq.MessageTracker
-    nbytes: int
-    start: float  # time.monotonic()
     deadline: float
+    stream: _Stream | None  # None: an abort notice, reported to nobody
 
 
-class ZmqConnector(Connector):
+class ZmqConnector(StreamingConnector):
     def __init__(
         self, config: ZmqConfig, bind: str | None = None, reservations: ReservationTable | None = None
     ) -> None:
@@ -82,44 +71,67 @@ class ZmqConnector(Connector):
         self._token = config.token.encode()
         self._ctx = zmq.Context()
         self._push: dict[str, zmq.Socket] = {}
+        self._streams: dict[str, _Stream] = {}
         self._outbox: deque[_Outgoing] = deque()
         self._in_zmq: list[_Outgoing] = []  # accepted by ZMQ, buffers not yet released
         self.ledger = TransferLedger(_MAX_ABORTED)
         self._closed = False
         self._pull: zmq.Socket | None = None
+        self._inbox: Inbox | None = None
         self.address: str | None = None
         if bind is not None:
+            assert reservations is not None
             pull = self._ctx.socket(zmq.PULL)
             pull.setsockopt(zmq.RCVHWM, config.rcvhwm)
             pull.setsockopt(zmq.LINGER, 0)  # unread messages of a closing receiver are dropped
             pull.bind(bind)  # "tcp://host:0" binds a free port; `address` says which
             self.address = pull.getsockopt_string(zmq.LAST_ENDPOINT)
             self._pull = pull
+            self._inbox = Inbox(self._token, reservations, self.ledger)
 
     # ------------------------------------------------------------------------------- send
 
+    def send_layers(self, ticket: Ticket, layers: Sequence[LayerPages]) -> None:
+        stream = self._stream(ticket)
+        if stream.final:
+            raise ValueError(f"{ticket.req_id!r}: layers sent after its final send")
+        host = _to_host(layers)
+        self._enqueue(ticket.req_id, stream, layers_to_frames(ticket.req_id, host), host, last=False)
+
     def send(self, pages: StatePages, ticket: Ticket) -> None:
-        self._check_open()
         if ticket.req_id != pages.req_id:
             raise ValueError(f"ticket names {ticket.req_id!r} but the pages are of {pages.req_id!r}")
+        stream = self._stream(ticket)
+        if stream.final:
+            raise ValueError(f"{ticket.req_id!r} was sent already (its final send came twice)")
+        host = _to_host(list(pages.layers.values()))
+        frames = [encode_request(pages.request), *layers_to_frames(pages.req_id, host)]
+        frames.append(encode_end(pages.req_id, stream.num_frames + len(frames)))
+        stream.final = True
+        self._enqueue(pages.req_id, stream, frames, host, last=True)
+
+    def _stream(self, ticket: Ticket) -> _Stream:
+        self._check_open()
         if ticket.expired():
             raise ValueError(f"the reservation of {ticket.req_id!r} expired {-ticket.remaining():.3f} s ago")
-        self.ledger.forget_abort(pages.req_id)  # a resent request id is a new transfer
-        host = _to_host(pages)
-        parts = [self._token] + [p for frame in pages_to_frames(host) for p in frame]
-        frames = [zmq.Frame(p, copy=False, track=True) for p in parts]
-        now = time.monotonic()
-        self._outbox.append(
-            _Outgoing(
-                pages.req_id,
-                ticket.address,
-                frames,
-                zmq.MessageTracker(*frames),
-                host.nbytes(),
-                now,
-                now + self.config.send_timeout,
-            )
-        )
+        stream = self._streams.get(ticket.req_id)
+        if stream is None:
+            self.ledger.forget_abort(ticket.req_id)  # a resent request id is a new transfer
+            stream = self._streams[ticket.req_id] = _Stream(ticket.address, time.monotonic())
+        elif stream.address != ticket.address:
+            raise ValueError(f"{ticket.req_id!r} is being sent to {stream.address}, not {ticket.address}")
+        return stream
+
+    def _enqueue(self, req_id: str, stream: _Stream, frames: list[Parts], host: list[LayerPages], last: bool) -> None:
+        stream.num_frames += len(frames) - (1 if last else 0)  # the end frame counts the others
+        stream.nbytes += sum(p.nbytes() for p in host)
+        stream.messages += 1
+        self._queue(req_id, stream.address, [self._token, *(p for f in frames for p in f)], stream)
+
+    def _queue(self, req_id: str, address: str, parts: list[bytes | memoryview], stream: _Stream | None) -> None:
+        zframes = [zmq.Frame(p, copy=False, track=True) for p in parts]
+        deadline = time.monotonic() + self.config.send_timeout
+        self._outbox.append(_Outgoing(req_id, address, zframes, zmq.MessageTracker(*zframes), deadline, stream))
         self._pump()
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -140,7 +152,10 @@ class ZmqConnector(Connector):
         blocked: set[str] = set()  # keep per-destination order: one refusal blocks later messages
         waiting: deque[_Outgoing] = deque()
         now = time.monotonic()
+        failed: set[str] = set()
         for out in self._outbox:
+            if out.req_id in failed:
+                continue
             if out.address not in blocked:
                 assert out.frames is not None
                 try:
@@ -149,20 +164,33 @@ class ZmqConnector(Connector):
                     blocked.add(out.address)
                 else:
                     out.frames = None  # drop our references so the tracker can complete
+                    if out.stream is not None:
+                        out.stream.handed_to_zmq = True
                     self._in_zmq.append(out)
                     continue
             # not taken: it waits for its peer until its deadline
             if now >= out.deadline:
-                self._fail(out.req_id, f"peer {out.address} did not accept it within {self.config.send_timeout} s")
+                # an abort notice that cannot go out is dropped: the receiver's expiry frees the place
+                if out.stream is not None:
+                    self._streams.pop(out.req_id, None)
+                    failed.add(out.req_id)
+                    self.ledger.fail(out.req_id, f"peer {out.address} did not accept it within {self.config.send_timeout} s")
             else:
                 waiting.append(out)
-        self._outbox = waiting
+        # NOTE: a failed request's later messages go nowhere (earlier ones the peer drops at expiry)
+        self._outbox = deque(o for o in waiting if o.req_id not in failed)
         still: list[_Outgoing] = []
         for out in self._in_zmq:
             if not out.tracker.done:
                 still.append(out)
-            else:
-                self.ledger.sent(TransferStats(out.req_id, out.nbytes, time.monotonic() - out.start))
+                continue
+            stream = out.stream
+            if stream is None or self._streams.get(out.req_id) is not stream:
+                continue  # an abort notice, or a message of a request aborted or failed since
+            stream.messages -= 1
+            if stream.final and stream.messages == 0:
+                del self._streams[out.req_id]
+                self.ledger.sent(TransferStats(out.req_id, stream.nbytes, time.monotonic() - stream.start))
         self._in_zmq = still
 
     def _socket(self, address: str) -> zmq.Socket:
@@ -180,62 +208,20 @@ class ZmqConnector(Connector):
 
     def recv(self, timeout: float | None = None) -> StatePages | None:
         self._check_open()
-        if self._pull is None:
+        if self._pull is None or self._inbox is None:
             raise RuntimeError("this ZmqConnector only sends: construct it with `bind` and `reservations`")
+        self._inbox.sweep()
         end = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if end is None else max(0.0, end - time.monotonic())
             if not self._pull.poll(None if left is None else int(left * 1000)):
                 return None
             msg = self._pull.recv_multipart(copy=False)
-            pages = self._accept(msg)
+            pages = self._inbox.accept([f.buffer for f in msg])
             if pages is not None:
                 return pages
             if end is not None and time.monotonic() >= end:
                 return None
-
-    def _accept(self, msg: list[zmq.Frame]) -> StatePages | None:
-        """Check one message completely; the StatePages, or None with the failure recorded."""
-        assert self.reservations is not None
-        start = time.monotonic()
-        if not msg or not hmac.compare_digest(msg[0].bytes, self._token):
-            self.ledger.fail_anonymous("unauthenticated", (
-                f"message of {len(msg)} parts with a wrong cluster token dropped"
-            ))
-            return None
-        parts = msg[1:]
-        req_id = _peek_req_id(parts[0].buffer) if parts else None
-        if req_id is None:
-            self.ledger.fail_anonymous("malformed", "message whose first frame names no request dropped")
-            return None
-        if self.ledger.is_aborted(req_id):
-            return None  # aborted here: its late pages are dropped silently (abort already reported)
-        table = self.reservations
-        ticket = table.get(req_id)
-        if ticket is None:
-            self._fail(req_id, "no reservation for this request (unknown, completed or expired)")
-            return None
-        if ticket.expired(table.clock()):
-            table.cancel(req_id)
-            self._fail(req_id, "its reservation expired before the pages arrived")
-            return None
-        try:
-            if len(parts) % 2:
-                raise FrameError(
-                    f"message of {req_id!r} has {len(parts)} frame parts, not [header, payload] pairs"
-                )
-            asm = PageAssembler(req_id)
-            for i in range(0, len(parts), 2):
-                asm.add(decode_frame(parts[i].buffer, parts[i + 1].buffer))
-            pages = asm.result()
-        except FrameError as e:
-            table.cancel(req_id)
-            self._fail(req_id, f"bad frame: {e}")
-            return None
-        table.complete(req_id)
-        nbytes = sum(len(p.buffer) for p in msg)
-        self.ledger.received(TransferStats(req_id, nbytes, time.monotonic() - start))
-        return pages
 
     # ------------------------------------------------------------------------------- bookkeeping
 
@@ -245,20 +231,26 @@ class ZmqConnector(Connector):
         return self.ledger.take_finished()
 
     def get_failed(self) -> dict[str, str]:
+        if self._inbox is not None and not self._closed:
+            self._inbox.sweep()
         return self.ledger.take_failed()
 
     def get_stats(self) -> dict[str, TransferStats]:
-        """Per-request TransferStats since the last call: the sender times send() to buffers released,
-        the receiver times checking and decoding one message (clocks of two hosts never mix)."""
+        """Per-request TransferStats since the last call: the sender times its first send to buffers
+        released, the receiver its first message to the last checked (clocks of two hosts never mix)."""
         return self.ledger.take_stats()
 
     def abort(self, req_id: str) -> None:
-        """Sender: drop its queued sends (one ZMQ already took still goes out; the receiver's
-        ticket then decides). Receiver: cancel its reservation and drop its later messages."""
+        """Sender: drop its queued messages; if ZMQ took part of it already, tell the receiver (an
+        "abort" frame) so it frees the reservation now. Receiver: cancel its reservation, drop
+        what arrived and its later messages."""
         self.ledger.abort(req_id)
         self._outbox = deque(o for o in self._outbox if o.req_id != req_id)
-        if self.reservations is not None:
-            self.reservations.cancel(req_id)
+        stream = self._streams.pop(req_id, None)
+        if stream is not None and stream.handed_to_zmq and not self._closed:
+            self._queue(req_id, stream.address, [self._token, *encode_abort(req_id, "aborted by the sender")], None)
+        if self._inbox is not None:
+            self._inbox.abort(req_id)
 
     def close(self) -> None:
         if self._closed:
@@ -266,26 +258,26 @@ class ZmqConnector(Connector):
         self._closed = True
         self._outbox.clear()
         self._in_zmq.clear()
+        self._streams.clear()
         for sock in self._push.values():
             sock.close()  # LINGER bounds how long accepted messages may still flush
         self._push.clear()
         if self._pull is not None:
             self._pull.close()
+        if self._inbox is not None:
+            self._inbox.clear()
         self._ctx.term()
-
-    def _fail(self, req_id: str, reason: str) -> None:
-        self.ledger.fail(req_id, reason)
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this ZmqConnector is closed")
 
 
-def _to_host(pages: StatePages) -> StatePages:
+def _to_host(layers: Sequence[LayerPages]) -> list[LayerPages]:
     """CPU pages as they are (zero-copy); GPU pages copied into pinned host staging, synchronized."""
-    layers: dict[int, LayerPages] = {}
+    out: list[LayerPages] = []
     staged = False
-    for idx, page in pages.layers.items():
+    for page in layers:
         tensors = {}
         for name, t in page.tensors.items():
             if t.device.type == "cpu":
@@ -295,23 +287,7 @@ def _to_host(pages: StatePages) -> StatePages:
                 host.copy_(t, non_blocking=True)
                 tensors[name] = host
                 staged = True
-        layers[idx] = LayerPages(page.layer_idx, page.kind, tensors)
+        out.append(LayerPages(page.layer_idx, page.kind, tensors))
     if staged:
         torch.cuda.synchronize()  # the copies must land before ZMQ's I/O thread reads the staging
-    return StatePages(pages.request, layers)
-
-
-def _peek_req_id(header: memoryview) -> str | None:
-    """The req_id a header claims, for attributing a failure; the full check is decode_frame's."""
-    if len(header) > MAX_HEADER_BYTES:
-        return None
-    try:
-        h = msgpack.unpackb(header, raw=False, strict_map_key=True, ext_hook=_no_ext)
-    except Exception:
-        return None
-    req_id = h.get("req_id") if isinstance(h, dict) else None
-    return req_id if isinstance(req_id, str) else None
-
-
-def _no_ext(code: int, data: bytes) -> object:
-    raise ValueError("ext types are not allowed in frame headers")
+    return out

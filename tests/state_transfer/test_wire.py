@@ -331,6 +331,19 @@ def test_bad_end_body() -> None:
     assert f == Frame("end", "req-1", body={"num_frames": 5})
 
 
+def test_abort_frame() -> None:
+    f = decode_frame(*wire.encode_abort("req-1", "client went away"))
+    assert f == Frame("abort", "req-1", body={"reason": "client went away"})
+    with pytest.raises(FrameError, match="abort body"):
+        decode_frame(*body_frame("abort", {"reason": "x", "extra": 1}))
+    with pytest.raises(FrameError, match="'reason' must be str"):
+        decode_frame(*body_frame("abort", {"reason": 7}))
+    asm = PageAssembler("req-1")
+    asm.add(decode_frame(*encode_request(make_pages().request)))
+    with pytest.raises(FrameError, match="aborted by its sender: client went away"):
+        asm.add(f)
+
+
 def test_page_frame_with_body_fields_rejected() -> None:
     header, payload = encode_end("req-1", 3)
     h = header_of([header])

@@ -266,19 +266,19 @@ def test_wrong_token(rx: ZmqConnector, tx: ZmqConnector, table: ReservationTable
     good_request(rx, tx, table)
 
 
-def test_reservation_expired_before_arrival(rx: ZmqConnector, tx: ZmqConnector) -> None:
-    assert rx.address is not None
+def test_reservation_expired_before_arrival(tx: ZmqConnector) -> None:
     skew = [0.0]
     table = ReservationTable(ttl=5.0, token=TOKEN, clock=lambda: time.monotonic() + skew[0])
-    rx.reservations = table
-    ticket = table.reserve("late", rx.address, slot=0)
-    skew[0] = 6.0  # the decode host's clock passes the expiry while the pages are on their way
-    tx.send(make_pages("late"), ticket)
-    assert recv_one(rx, tx, timeout=1.0) is None
-    assert "expired" in rx.get_failed()["late"] and len(table) == 0
-    assert tx.flush(2.0) and tx.get_finished()[0] == {"late"}  # the sender did its part
-    skew[0] = 0.0
-    good_request(rx, tx, table)
+    with ZmqConnector(ZmqConfig(TOKEN), bind="tcp://127.0.0.1:0", reservations=table) as rx:
+        assert rx.address is not None
+        ticket = table.reserve("late", rx.address, slot=0)
+        skew[0] = 6.0  # the decode host's clock passes the expiry while the pages are on their way
+        tx.send(make_pages("late"), ticket)
+        assert recv_one(rx, tx, timeout=1.0) is None
+        assert "expired" in rx.get_failed()["late"] and len(table) == 0
+        assert tx.flush(2.0) and tx.get_finished()[0] == {"late"}  # the sender did its part
+        skew[0] = 0.0
+        good_request(rx, tx, table)
 
 
 def test_abort_on_receiving_side(rx: ZmqConnector, tx: ZmqConnector, table: ReservationTable) -> None:

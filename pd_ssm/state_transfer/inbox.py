@@ -1,0 +1,139 @@
+"""Inbox: the receiving half of a frame connector -- messages in, checked StatePages out.
+
+A request may arrive in several messages (layer-wise streaming: page frames as the sender's layers
+finish, then a last message with the request and end frames). The inbox holds one PageAssembler
+per request in progress and hands out a request only when its end frame arrived and every frame
+checked out. Pure bookkeeping over the ReservationTable and the TransferLedger: no sockets.
+
+Every message must name a request with a live Ticket. Any failure -- a bad frame, an expired or
+missing reservation, the sender's "abort" frame -- drops what arrived of the request, cancels its
+reservation and records the reason in the ledger (`get_failed`), so the caller frees the slot and
+blocks. A request whose pieces stopped coming is dropped the same way once its ticket expires
+(`sweep`). Failures that name no request (wrong token, unparsable header) are keyed "!<what>-<n>".
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgpack
+
+from pd_ssm.cache.pages import StatePages
+from pd_ssm.state_transfer.assembler import PageAssembler
+from pd_ssm.state_transfer.base import TransferStats
+from pd_ssm.state_transfer.ledger import TransferLedger
+from pd_ssm.state_transfer.reservations import ReservationTable
+from pd_ssm.state_transfer.wire import MAX_HEADER_BYTES, Buffer, FrameError, decode_frame
+
+
+@dataclass(slots=True)
+class _Partial:
+    asm: PageAssembler
+    start: float  # time.monotonic() of its first message
+    nbytes: int  # bytes of its messages so far
+
+
+class Inbox:
+    def __init__(self, token: bytes, reservations: ReservationTable, ledger: TransferLedger) -> None:
+        self._token = token
+        self.reservations = reservations
+        self.ledger = ledger
+        self._partial: dict[str, _Partial] = {}  # NOTE: only requests whose ticket is in the table
+
+    def accept(self, msg: Sequence[Buffer]) -> StatePages | None:
+        """One message `[token, header, payload, ...]`; the request if this completed it, else None."""
+        if not msg or not hmac.compare_digest(bytes(msg[0]), self._token):
+            self.ledger.fail_anonymous("unauthenticated", f"message of {len(msg)} parts with a wrong cluster token dropped")
+            return None
+        parts = msg[1:]
+        claim = _peek(parts[0]) if parts else None
+        if claim is None:
+            self.ledger.fail_anonymous("malformed", "message whose first frame names no request dropped")
+            return None
+        req_id, kind = claim
+        if self.ledger.is_aborted(req_id):
+            return None  # aborted here: its late pieces are dropped silently (abort already reported)
+        table = self.reservations
+        ticket = table.get(req_id)
+        if ticket is None:
+            self._partial.pop(req_id, None)
+            if kind != "abort":  # a late abort of a request that is gone already says nothing new
+                self.ledger.fail(req_id, "no reservation for this request (unknown, completed or expired)")
+            return None
+        if ticket.expired(table.clock()):
+            self._drop(req_id, "its reservation expired before all its pages arrived")
+            return None
+        nbytes = sum(memoryview(p).nbytes for p in msg)
+        part = self._partial.get(req_id)
+        if part is None:
+            part = self._partial[req_id] = _Partial(PageAssembler(req_id), time.monotonic(), 0)
+        part.nbytes += nbytes
+        try:
+            if len(parts) % 2:
+                raise FrameError(f"message of {req_id!r} has {len(parts)} frame parts, not [header, payload] pairs")
+            for i in range(0, len(parts), 2):
+                frame = decode_frame(parts[i], parts[i + 1])
+                if frame.kind == "abort" and frame.req_id == req_id:
+                    assert frame.body is not None
+                    self._drop(req_id, f"aborted by the sender: {frame.body['reason']}")
+                    return None
+                part.asm.add(frame)
+        except FrameError as e:
+            self._drop(req_id, f"bad frame: {e}")
+            return None
+        if not part.asm.done:
+            return None
+        del self._partial[req_id]
+        table.complete(req_id)
+        self.ledger.received(TransferStats(req_id, part.nbytes, time.monotonic() - part.start))
+        return part.asm.result()
+
+    def sweep(self) -> None:
+        """Drop requests in progress whose reservation expired (failed: the caller frees it) or
+        left the table (the caller expired or cancelled it, so it knows already)."""
+        table = self.reservations
+        now = table.clock()
+        for req_id in list(self._partial):
+            ticket = table.get(req_id)
+            if ticket is None:
+                del self._partial[req_id]
+            elif ticket.expired(now):
+                layers = sorted(self._partial[req_id].asm.layers)
+                self._drop(req_id, f"its reservation expired with only layers {layers} arrived")
+
+    def abort(self, req_id: str) -> None:
+        self._partial.pop(req_id, None)
+        self.reservations.cancel(req_id)
+
+    def clear(self) -> None:
+        self._partial.clear()
+
+    @property
+    def num_in_progress(self) -> int:
+        return len(self._partial)
+
+    def _drop(self, req_id: str, reason: str) -> None:
+        self._partial.pop(req_id, None)
+        self.reservations.cancel(req_id)
+        self.ledger.fail(req_id, reason)
+
+
+def _peek(header: Buffer) -> tuple[str, str] | None:
+    """(req_id, kind) a header claims, to attribute a failure; the full check is decode_frame's."""
+    if memoryview(header).nbytes > MAX_HEADER_BYTES:
+        return None
+    try:
+        h = msgpack.unpackb(header, raw=False, strict_map_key=True, ext_hook=_no_ext)
+    except Exception:
+        return None
+    if not isinstance(h, dict):
+        return None
+    req_id, kind = h.get("req_id"), h.get("kind")
+    return (req_id, kind) if isinstance(req_id, str) and isinstance(kind, str) else None
+
+
+def _no_ext(code: int, data: bytes) -> object:
+    raise ValueError("ext types are not allowed in frame headers")
