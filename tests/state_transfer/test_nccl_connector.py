@@ -1,17 +1,20 @@
-"""NcclConnector on CPU (gloo): the pytest process is the decode rank, a spawned process the prefill
-rank. Bit-exact round trips, a sequence of requests, and refusals (wrong token, expired, aborted)
-that each drop one request while the p2p stream stays in sync for the next."""
+"""NcclConnector on CPU (gloo): the pytest process is the decode side (receiver), a spawned process
+the prefill side (sender), which runs one module-level script function. Bit-exact round trips, 64
+requests in flight, refusals that each drop one request while the stream stays in sync, and two
+connector pairs beside a default process group. The helpers here are shared by the other
+test_nccl_* / test_faults_* files."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from pd_ssm.cache.pages import LayerPages, RequestState, StatePages
 from pd_ssm.state_transfer.base import Ticket
@@ -19,8 +22,7 @@ from pd_ssm.state_transfer.nccl_connector import NcclConfig, NcclConnector
 from pd_ssm.state_transfer.reservations import ReservationTable
 
 TOKEN = "cluster-secret"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-Script = list[tuple[str, str, int, str]]  # (req_id, dtype name, seed, token the sender presents)
+Script = Callable[[NcclConnector], None]
 
 
 def free_port() -> int:
@@ -29,20 +31,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def make_pages(req_id: str, dtype: torch.dtype, seed: int) -> StatePages:
-    """Hybrid by hand: SSM layers 0 and 2 (conv in `dtype` with an odd element count, so the fp32
-    SSM state after it sits at an unaligned offset of the coalesced buffer), attention layer 1."""
+def make_pages(req_id: str, dtype: torch.dtype = torch.float32, seed: int = 0, ssm_elems: int = 8 * 16 * 16) -> StatePages:
+    """Hybrid by hand: SSM layers 0 and 2 (conv in `dtype` with an odd element count, so the buffer
+    needs padding before the next tensor), attention layer 1. Random, never zero."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
-        return (torch.randn(shape, generator=g) + 3.0).to(dt)  # never zero
+        return (torch.randn(shape, generator=g) + 3.0).to(dt)
 
     req = RequestState(req_id, [5, 17, 3, 99, 2, 8, 41, 7, 1], [12], 9, {"temperature": 0.7}, 1234 + seed, 32)
     pages = StatePages(req)
     for layer in (0, 2):
-        pages.layers[layer] = LayerPages(
-            layer, "ssm", {"conv": rand(47, 3), "ssm": rand(8, 16, 16, dt=torch.float32)}
-        )
+        pages.layers[layer] = LayerPages(layer, "ssm", {"conv": rand(47, 3), "ssm": rand(ssm_elems, dt=torch.float32)})
     pages.layers[1] = LayerPages(1, "attention", {"k": rand(9, 2, 16), "v": rand(9, 2, 16)})
     return pages
 
@@ -58,40 +58,62 @@ def assert_same(a: StatePages, b: StatePages) -> None:
             assert torch.equal(t.reshape(-1).view(torch.uint8), o.reshape(-1).view(torch.uint8)), (idx, name)
 
 
-def _sender(init_method: str, address: str, script: Script) -> None:
-    """The prefill rank: send each scripted request, wait for every p2p send, close."""
-    tx = NcclConnector(NcclConfig(TOKEN, init_method, timeout=20.0))
-    for req_id, dtype, seed, token in script:
-        tx._token = token.encode()  # a misconfigured peer presents another token
-        ticket = Ticket(req_id, address, slot=0, expiry=time.monotonic() + 60.0, token=TOKEN)
-        tx.send(make_pages(req_id, DTYPES[dtype], seed), ticket)
-    assert tx.flush(20.0), "p2p sends did not complete"
-    sent, _ = tx.get_finished()
-    assert sent == {r for r, *_ in script}, sent
-    assert tx.get_failed() == {}
+def ticket(tx: NcclConnector, req_id: str) -> Ticket:
+    assert tx.address is not None
+    return Ticket(req_id, tx.address, slot=0, expiry=time.monotonic() + 60.0, token=TOKEN)
+
+
+def run_sender(rendezvous: str, script: Script, timeout: float = 15.0) -> None:
+    """Child process: pair with the receiver at `rendezvous`, run `script`, check nothing is left."""
+    tx = NcclConnector(NcclConfig(TOKEN, rendezvous, timeout=timeout, send_timeout=5.0))
+    script(tx)
+    assert tx.flush(timeout) and tx.in_flight == 0, tx.get_failed()
     tx.close()
     tx.close()  # idempotent
 
 
+def receiver(table: ReservationTable, timeout: float = 15.0) -> NcclConnector:
+    return NcclConnector(
+        NcclConfig(TOKEN, "tcp://127.0.0.1:0", timeout=timeout), bind="tcp://127.0.0.1:0", reservations=table
+    )
+
+
 @contextmanager
-def pair(script: Script, table: ReservationTable) -> Iterator[NcclConnector]:
-    """Spawn the sender, become the receiver; on exit close and check the sender succeeded."""
-    init_method, address = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    proc = mp.get_context("spawn").Process(target=_sender, args=(init_method, address, script))
+def spawned(target: Callable[..., None], *args: object) -> Iterator[mp.process.BaseProcess]:
+    """A spawned process; on exit it must have exited 0 (killed if it outlives 15 s)."""
+    proc = mp.get_context("spawn").Process(target=target, args=args)
     proc.start()
     try:
-        rx = NcclConnector(NcclConfig(TOKEN, init_method, timeout=20.0), bind=address, reservations=table)
-        try:
-            yield rx
-        finally:
-            rx.close()
-            rx.close()  # idempotent
-        proc.join(20.0)
-        assert proc.exitcode == 0, f"sender exited with {proc.exitcode}"
+        yield proc
+        proc.join(15.0)
+        assert proc.exitcode == 0, f"peer process exited with {proc.exitcode}"
     finally:
         if proc.is_alive():
             proc.kill()
             proc.join()
+
+
+@contextmanager
+def pair(table: ReservationTable, script: Script) -> Iterator[NcclConnector]:
+    """Become the receiver, spawn a sender running `script`; on exit close and check the sender."""
+    with receiver(table) as rx, spawned(run_sender, rx.rendezvous, script):
+        assert isinstance(rx, NcclConnector)
+        yield rx
+
+
+def collect(rx: NcclConnector, n: int, timeout: float = 15.0) -> tuple[dict[str, StatePages], dict[str, str]]:
+    """Receive until `n` requests arrived (or `timeout`); the pages by id and every failure seen."""
+    got: dict[str, StatePages] = {}
+    failed: dict[str, str] = {}
+    end = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < end:
+        p = rx.recv(timeout=0.1)
+        if p is not None:
+            assert p.req_id not in got, f"{p.req_id} delivered twice"
+            got[p.req_id] = p
+        failed.update(rx.get_failed())
+    failed.update(rx.get_failed())
+    return got, failed
 
 
 def reserve(table: ReservationTable, *req_ids: str) -> None:
@@ -99,46 +121,85 @@ def reserve(table: ReservationTable, *req_ids: str) -> None:
         table.reserve(r, "unused", slot=0)
 
 
+# ------------------------------------------------------------------------------------ round trips
+
+
+def _send_two(tx: NcclConnector) -> None:
+    tx.send(make_pages("r32", torch.float32, 7), ticket(tx, "r32"))
+    tx.send(make_pages("r16", torch.bfloat16, 8), ticket(tx, "r16"))
+    assert tx.flush(10.0)
+    assert tx.get_finished()[0] == {"r32", "r16"} and tx.get_failed() == {}
+
+
 def test_round_trip_bit_exact_fp32_and_bf16() -> None:
     table = ReservationTable(ttl=60.0, token=TOKEN)
     reserve(table, "r32", "r16")
-    with pair([("r32", "float32", 7, TOKEN), ("r16", "bfloat16", 8, TOKEN)], table) as rx:
-        for req_id, dtype, seed in (("r32", torch.float32, 7), ("r16", torch.bfloat16, 8)):
-            got = rx.recv(timeout=20.0)
-            assert got is not None
-            assert_same(make_pages(req_id, dtype, seed), got)
-            assert rx.get_stats()[req_id].nbytes == got.nbytes() > 0
+    with pair(table, _send_two) as rx:
+        got, failed = collect(rx, 2)
+        assert failed == {} and sorted(got) == ["r16", "r32"]
+        assert_same(make_pages("r32", torch.float32, 7), got["r32"])
+        assert_same(make_pages("r16", torch.bfloat16, 8), got["r16"])
+        stats = rx.get_stats()
+        assert stats["r32"].nbytes >= got["r32"].nbytes() > 0  # block padding included
         assert rx.get_finished() == (set(), {"r32", "r16"})
-        assert rx.get_failed() == {}
     assert len(table) == 0
 
 
-def test_sixteen_requests_in_sequence() -> None:
+IN_FLIGHT = 64
+
+
+def _send_many(tx: NcclConnector) -> None:
+    for i in range(IN_FLIGHT):
+        tx.send(make_pages(f"m{i}", torch.bfloat16 if i % 2 else torch.float32, i), ticket(tx, f"m{i}"))
+    assert tx.in_flight == IN_FLIGHT  # nothing waited: every request is on the wire at once
+    assert tx.flush(15.0) and tx.in_flight == 0
+    assert tx.get_finished()[0] == {f"m{i}" for i in range(IN_FLIGHT)} and tx.get_failed() == {}
+
+
+def test_64_requests_in_flight_arrive_exact_and_nothing_leaks() -> None:
     table = ReservationTable(ttl=60.0, token=TOKEN)
-    script = [(f"q{i}", "bfloat16" if i % 2 else "float32", i, TOKEN) for i in range(16)]
-    reserve(table, *(r for r, *_ in script))
-    with pair(script, table) as rx:
-        for req_id, dtype, seed, _ in script:
-            got = rx.recv(timeout=20.0)
-            assert got is not None and got.req_id == req_id
-            assert_same(make_pages(req_id, DTYPES[dtype], seed), got)
-        assert rx.get_finished()[1] == {r for r, *_ in script}
-        assert rx.get_failed() == {}
-    assert len(table) == 0
+    free_slots = list(range(IN_FLIGHT))  # the decode pool's bookkeeping: free + used == total
+    used: dict[str, int] = {}
+    for i in range(IN_FLIGHT):
+        used[f"m{i}"] = slot = free_slots.pop()
+        table.reserve(f"m{i}", "unused", slot)
+    with pair(table, _send_many) as rx:
+        got, failed = collect(rx, IN_FLIGHT)
+        assert failed == {} and len(got) == IN_FLIGHT
+        for i in range(IN_FLIGHT):
+            assert_same(make_pages(f"m{i}", torch.bfloat16 if i % 2 else torch.float32, i), got[f"m{i}"])
+            free_slots.append(used.pop(f"m{i}"))  # the request finished decoding
+        assert rx.get_finished()[1] == set(got) and rx.recv(timeout=0.1) is None
+    assert len(table) == 0 and not used and sorted(free_slots) == list(range(IN_FLIGHT))
+
+
+# ------------------------------------------------------------------------------------ refusals
+
+
+def _wrong_token_then_good(tx: NcclConnector) -> None:
+    real = tx._tx._token  # type: ignore[union-attr]
+    tx._tx._token = b"not-the-token"  # type: ignore[union-attr]  # a misconfigured peer
+    tx.send(make_pages("bad", torch.float32, 1), ticket(tx, "bad"))
+    tx._tx._token = real  # type: ignore[union-attr]
+    tx.send(make_pages("good", torch.bfloat16, 2), ticket(tx, "good"))
 
 
 def test_wrong_token_refused_then_next_request_works() -> None:
     table = ReservationTable(ttl=60.0, token=TOKEN)
     reserve(table, "bad", "good")
-    with pair([("bad", "float32", 1, "not-the-token"), ("good", "bfloat16", 2, TOKEN)], table) as rx:
-        got = rx.recv(timeout=20.0)
-        assert got is not None and got.req_id == "good"
-        assert_same(make_pages("good", torch.bfloat16, 2), got)
-        failed = rx.get_failed()
+    with pair(table, _wrong_token_then_good) as rx:
+        got, failed = collect(rx, 1)
+        assert list(got) == ["good"]
+        assert_same(make_pages("good", torch.bfloat16, 2), got["good"])
         assert len(failed) == 1 and next(iter(failed)).startswith("!unauthenticated-")
         assert "bad" in table  # the refused message named it, but unauthenticated: its ticket stays
         table.cancel("bad")
     assert len(table) == 0
+
+
+def _late_then_next(tx: NcclConnector) -> None:
+    tx.send(make_pages("late", torch.float32, 3), ticket(tx, "late"))
+    tx.send(make_pages("next", torch.float32, 4), ticket(tx, "next"))
 
 
 def test_expired_reservation_fails_and_stream_stays_in_sync() -> None:
@@ -148,40 +209,95 @@ def test_expired_reservation_fails_and_stream_stays_in_sync() -> None:
     now[0] = 8.0
     reserve(table, "next")  # expires at 18
     now[0] = 11.0  # "late" is past its expiry, "next" is not
-    with pair([("late", "float32", 3, TOKEN), ("next", "float32", 4, TOKEN)], table) as rx:
-        got = rx.recv(timeout=20.0)
-        assert got is not None and got.req_id == "next"
-        assert_same(make_pages("next", torch.float32, 4), got)
-        failed = rx.get_failed()
+    with pair(table, _late_then_next) as rx:
+        got, failed = collect(rx, 1)
+        assert list(got) == ["next"]
+        assert_same(make_pages("next", torch.float32, 4), got["next"])
         assert set(failed) == {"late"} and "expired" in failed["late"]
     assert len(table) == 0
+
+
+def _three(tx: NcclConnector) -> None:
+    for req_id, seed in (("aborted", 5), ("stranger", 6), ("last", 7)):
+        tx.send(make_pages(req_id, torch.float32, seed), ticket(tx, req_id))
 
 
 def test_unknown_and_aborted_requests_are_drained() -> None:
     table = ReservationTable(ttl=60.0, token=TOKEN)
     reserve(table, "aborted", "last")
-    script = [
-        ("aborted", "float32", 5, TOKEN),
-        ("stranger", "bfloat16", 6, TOKEN),
-        ("last", "float32", 7, TOKEN),
-    ]
-    with pair(script, table) as rx:
+    with pair(table, _three) as rx:
         rx.abort("aborted")
         rx.abort("aborted")  # idempotent
-        got = rx.recv(timeout=20.0)
-        assert got is not None and got.req_id == "last"
-        assert_same(make_pages("last", torch.float32, 7), got)
-        failed = rx.get_failed()
+        got, failed = collect(rx, 1)
+        assert list(got) == ["last"]
+        assert_same(make_pages("last", torch.float32, 7), got["last"])
         assert set(failed) == {"stranger"} and "no reservation" in failed["stranger"]
         with pytest.raises(RuntimeError, match="only the rank-0 connector sends"):
-            rx.send(make_pages("x", torch.float32, 0), Ticket("x", "unused", 0, expiry=time.monotonic() + 5))
+            rx.send(make_pages("x"), Ticket("x", "unused", 0, expiry=time.monotonic() + 5))
     assert len(table) == 0
+
+
+# ------------------------------------------------------------------------------------ private groups
+
+
+def _two_senders_beside_a_default_group(rv_a: str, rv_b: str, store_port: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{store_port}", rank=0, world_size=1)
+    try:
+        a = NcclConnector(NcclConfig(TOKEN, rv_a, timeout=15.0))
+        b = NcclConnector(NcclConfig(TOKEN, rv_b, timeout=15.0))
+        for i in range(3):  # interleaved: each pair's stream is its own
+            a.send(make_pages(f"a{i}", torch.float32, i), ticket(a, f"a{i}"))
+            b.send(make_pages(f"b{i}", torch.bfloat16, 10 + i), ticket(b, f"b{i}"))
+        assert a.flush(10.0) and b.flush(10.0)
+        t = torch.full((4,), 2.5)
+        dist.all_reduce(t)  # the default group is untouched
+        assert torch.equal(t, torch.full((4,), 2.5))
+        a.close()
+        b.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_connector_pairs_between_two_processes_beside_a_default_group() -> None:
+    table_a, table_b = ReservationTable(ttl=60.0, token=TOKEN), ReservationTable(ttl=60.0, token=TOKEN)
+    reserve(table_a, "a0", "a1", "a2")
+    reserve(table_b, "b0", "b1", "b2")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with receiver(table_a) as rx_a, receiver(table_b) as rx_b:
+            assert isinstance(rx_a, NcclConnector) and isinstance(rx_b, NcclConnector)
+            with spawned(_two_senders_beside_a_default_group, rx_a.rendezvous, rx_b.rendezvous, free_port()):
+                got: dict[str, StatePages] = {}
+                end = time.monotonic() + 15.0
+                while len(got) < 6 and time.monotonic() < end:
+                    for rx in (rx_a, rx_b):  # both receivers' loops run: each pairs on its own hello
+                        p = rx.recv(timeout=0.05)
+                        if p is not None:
+                            got[p.req_id] = p
+            assert rx_a.get_failed() == {} and rx_b.get_failed() == {}
+        assert sorted(got) == ["a0", "a1", "a2", "b0", "b1", "b2"]
+        for i in range(3):
+            assert_same(make_pages(f"a{i}", torch.float32, i), got[f"a{i}"])
+            assert_same(make_pages(f"b{i}", torch.bfloat16, 10 + i), got[f"b{i}"])
+        assert dist.is_initialized() and dist.get_world_size() == 1  # ours, still there
+    finally:
+        dist.destroy_process_group()
+    assert len(table_a) == 0 and len(table_b) == 0
 
 
 def test_config_is_checked() -> None:
     with pytest.raises(ValueError, match="token"):
         NcclConfig("", "tcp://127.0.0.1:1")
-    with pytest.raises(ValueError, match="init_method"):
+    with pytest.raises(ValueError, match="tcp://host:port"):
         NcclConfig(TOKEN, "env://")
     assert NcclConfig(TOKEN, "tcp://127.0.0.1:1").backend == "gloo"
     assert NcclConfig(TOKEN, "tcp://127.0.0.1:1", device="cuda:0").backend == "nccl"
+    with pytest.raises(ValueError, match="both"):
+        NcclConnector(NcclConfig(TOKEN, "tcp://127.0.0.1:0"), bind="tcp://127.0.0.1:0")
+
+
+def test_sender_without_receiver_fails_loudly_and_quickly() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="pairing with the receiver"):
+        NcclConnector(NcclConfig(TOKEN, f"tcp://127.0.0.1:{free_port()}", timeout=1.0))
+    assert time.monotonic() - t0 < 5.0

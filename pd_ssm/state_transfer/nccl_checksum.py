@@ -1,0 +1,54 @@
+"""Checksums of the NCCL connector's coalesced buffer, computed where the buffer lives (GPU or CPU).
+
+zlib.crc32 would need every byte on the host: on CUDA that is a device->host copy of the whole
+request (168 MB for Mamba2-2.7B), as slow as the transfer itself. Instead the buffer is cut into
+BLOCK-byte blocks and one reduction kernel sums each block's 32-bit words into an int64; only those
+sums (8 bytes per 4 KiB, 0.2% of the payload) come to the host, where a tensor's checksum is the
+crc32 of the sums of the blocks it occupies. The sums are exact integers (at most 1024 words of
+< 2**31 per block: no overflow), so CPU and CUDA give identical results.
+
+What it catches: any single flipped bit (it changes its block's sum), truncated, shifted, stale
+or zeroed data, swapped or repeated blocks (the crc32 is over the ordered sums). What it misses:
+words permuted inside one 4 KiB block, and errors that cancel inside a block -- transport errors
+of that shape are not what we guard against; NCCL and TCP have their own link checks.
+
+Layout contract with nccl_message.pack: every tensor starts at a BLOCK-aligned offset and the
+buffer length is a multiple of BLOCK; the gap after a tensor is zero-filled by the sender and is
+covered by that tensor's checksum.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+BLOCK = 4096  # bytes; also the alignment of every tensor in the coalesced buffer
+_WORDS = BLOCK // 4
+
+
+def align(n: int) -> int:
+    """`n` rounded up to a multiple of BLOCK."""
+    return -(-n // BLOCK) * BLOCK
+
+
+def block_sums(buf: torch.Tensor) -> bytes:
+    """Per-block sums of `buf`'s int32 words, as little-endian int64 bytes on the host.
+
+    buf: uint8 [n], n a multiple of BLOCK, on any device (one reduction kernel, one small copy)."""
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() % BLOCK:
+        raise ValueError(
+            f"block_sums needs a 1-D uint8 buffer whose length is a multiple of {BLOCK}, "
+            f"got {buf.dtype} {tuple(buf.shape)}"
+        )
+    if buf.numel() == 0:
+        return b""
+    words = buf.view(torch.int32).view(-1, _WORDS)  # [blocks, 1024]
+    sums = words.sum(dim=1, dtype=torch.int64)  # [blocks]; exact: |sum| < 2**41
+    return sums.cpu().numpy().astype("<i8").tobytes()
+
+
+def tensor_checksum(sums: bytes, offset: int, nbytes: int) -> int:
+    """crc32 over the block sums of [offset, align(offset + nbytes)) (offset BLOCK-aligned)."""
+    first, last = offset // BLOCK, align(offset + nbytes) // BLOCK
+    return zlib.crc32(sums[first * 8 : last * 8])

@@ -1,0 +1,32 @@
+"""NcclConfig: what both roles of the NCCL connector are configured with (addresses from config,
+never fixed; port 0 in `rendezvous` lets the receiver pick a free one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pd_ssm.state_transfer.nccl_group import split_tcp
+
+
+@dataclass(slots=True)
+class NcclConfig:
+    token: str  # the cluster token; both peers hold the same one
+    rendezvous: str  # receiver: "tcp://host:port" its store listens on (port 0: free); sender: that address
+    device: str = "cpu"  # where p2p buffers live: "cpu" -> gloo, "cuda:N" -> nccl
+    timeout: float = 30.0  # seconds: pairing, and a p2p op from its post to its completion
+    send_timeout: float = 5.0  # seconds the metadata may wait for the peer to accept it
+    recv_device: str | None = None  # where received tensors go; None: `device` (views, no copy)
+    backend: str = field(init=False, default="")
+
+    def __post_init__(self) -> None:
+        if not self.token:
+            raise ValueError("NcclConfig.token is empty: peers authenticate with the shared cluster token")
+        split_tcp(self.rendezvous)
+        if self.timeout <= 0 or self.send_timeout <= 0:
+            raise ValueError(f"NcclConfig: timeout and send_timeout must be > 0: {self}")
+        kind = torch.device(self.device).type
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"NcclConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        self.backend = "nccl" if kind == "cuda" else "gloo"

@@ -1,0 +1,168 @@
+"""NcclReceiver: the decode side of the NCCL connector -- hosting the rendezvous, joining senders'
+generations, receiving and checking requests against the ReservationTable.
+
+See nccl_connector.py for the protocol. Every message read ends in exactly one of: a StatePages
+returned, a failure in the ledger (reservation cancelled where the message was authentic and named
+a live one), a silent drop (aborted here), or a pairing change (hello).
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from pd_ssm.cache.pages import StatePages
+from pd_ssm.state_transfer.base import TransferStats
+from pd_ssm.state_transfer.ledger import TransferLedger
+from pd_ssm.state_transfer.nccl_config import NcclConfig
+from pd_ssm.state_transfer.nccl_group import (
+    ADDRESS_KEY,
+    GEN_KEY,
+    RECEIVER_RANK,
+    PeerGroup,
+    host_store,
+    split_tcp,
+)
+from pd_ssm.state_transfer.nccl_message import Control, parse_control, parse_request, parse_tensors, unpack
+from pd_ssm.state_transfer.reservations import ReservationTable
+from pd_ssm.state_transfer.wire import FrameError
+
+
+class NcclReceiver:
+    def __init__(
+        self, config: NcclConfig, ledger: TransferLedger, ctx: zmq.Context, bind: str, table: ReservationTable
+    ) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.table = table
+        self.device = torch.device(config.device)
+        self.recv_device = torch.device(config.recv_device or config.device)
+        self._token = config.token.encode()
+        self._group: PeerGroup | None = None
+        self._gen = 0  # the newest generation joined; data messages of older ones are stale
+        pull = ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        pull.bind(bind)  # "tcp://host:0": a free port; `address` says which
+        self.address: str = pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._pull = pull
+        store = host_store(config.rendezvous, config.timeout)
+        store.set(ADDRESS_KEY, self.address)
+        self.rendezvous = f"tcp://{split_tcp(config.rendezvous)[0]}:{store.port}"
+        self._store: dist.TCPStore | None = store
+
+    @property
+    def paired(self) -> bool:
+        return self._group is not None
+
+    def recv(self, timeout: float | None) -> StatePages | None:
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            if not self._pull.poll(None if left is None else int(left * 1000)):
+                return None
+            pages = self._accept(self._pull.recv_multipart())
+            if pages is not None:
+                return pages
+            if end is not None and time.monotonic() >= end:
+                return None
+
+    def _accept(self, msg: list[bytes]) -> StatePages | None:
+        authentic = hmac.compare_digest(msg[0], self._token)
+        try:
+            if len(msg) < 2:
+                raise FrameError(f"a message of {len(msg)} parts has no control part")
+            control = parse_control(msg[1])
+        except FrameError as e:
+            if authentic and self._group is not None:
+                # our sender's data message we cannot size: its p2p bytes would misalign the stream
+                self.lose_peer()
+            self.ledger.fail_anonymous("malformed", f"side-channel message dropped: {e}")
+            return None
+        if control.kind == "hello":
+            self._hello(control, authentic)
+            return None
+        start = time.monotonic()
+        buf, lost = self._drain(control)
+        if not authentic:
+            self.ledger.fail_anonymous("unauthenticated", (
+                f"request {control.req_id!r} with a wrong cluster token: {control.nbytes} bytes dropped"
+            ))
+            return None
+        req_id = control.req_id
+        if self.ledger.is_aborted(req_id):
+            return None  # aborted here: dropped silently (the abort was the caller's own)
+        ticket = self.table.get(req_id)
+        if ticket is None:
+            self.ledger.fail(req_id, "no reservation for this request (unknown, completed or expired)")
+            return None
+        if lost is not None:
+            self._fail(req_id, lost)
+            return None
+        if ticket.expired(self.table.clock()):
+            self._fail(req_id, "its reservation expired before the pages arrived")
+            return None
+        try:
+            if len(msg) != 5:
+                raise FrameError(f"a data message has 5 parts, this one {len(msg)}")
+            request = parse_request(msg[2], msg[3], req_id)
+            metas = parse_tensors(msg[4], control.nbytes)
+            assert buf is not None
+            pages = unpack(request, metas, buf, self.recv_device)
+        except FrameError as e:
+            self._fail(req_id, f"bad metadata or bytes: {e}")
+            return None
+        self.table.complete(req_id)
+        self.ledger.received(TransferStats(req_id, control.nbytes, time.monotonic() - start))
+        return pages
+
+    def _fail(self, req_id: str, reason: str) -> None:
+        """The request's reservation is released and its failure reported (the caller frees its pages)."""
+        self.table.cancel(req_id)
+        self.ledger.fail(req_id, reason)
+
+    def _hello(self, control: Control, authentic: bool) -> None:
+        if not authentic:
+            self.ledger.fail_anonymous("unauthenticated", f"hello of generation {control.gen} with a wrong token")
+            return
+        assert self._store is not None
+        if control.gen <= self._gen or control.gen < self._store.add(GEN_KEY, 0):
+            return  # superseded: that sender gave up or a newer one already asked
+        self.lose_peer()
+        self._gen = control.gen
+        try:
+            self._group = PeerGroup(self._store, control.gen, RECEIVER_RANK, self.device, self.config.timeout)
+        except RuntimeError as e:
+            self.ledger.fail_anonymous("pairing", f"generation {control.gen} did not pair: {e}")
+
+    def _drain(self, control: Control) -> tuple[torch.Tensor | None, str | None]:
+        """The p2p bytes of a data message (always, to keep the stream in sync), or why there are none."""
+        if self._group is None or control.gen != self._group.gen:
+            return None, f"sent on pairing generation {control.gen}, which is gone (its sender died or was replaced)"
+        buf = torch.empty(control.nbytes, dtype=torch.uint8, device=self.device)
+        if control.nbytes == 0:
+            return buf, None
+        try:
+            work = self._group.irecv(buf)
+        except RuntimeError as e:
+            why: str | None = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        else:
+            why = self._group.wait(work, self.config.timeout)
+        if why is None:
+            return buf, None
+        self.lose_peer()
+        return None, f"peer lost mid-transfer ({control.nbytes} B): {why}"
+
+    def lose_peer(self) -> None:
+        """Tear the group down; the next hello pairs again."""
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+
+    def close(self) -> None:
+        self.lose_peer()
+        self._pull.close()
+        self._store = None

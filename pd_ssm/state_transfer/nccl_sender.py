@@ -1,0 +1,184 @@
+"""NcclSender: the prefill side of the NCCL connector -- pairing, posting requests, completing them.
+
+See nccl_connector.py for the protocol. A sender is paired with exactly one receiver at a time;
+after its peer is lost it fails what was in flight, holds no buffer, and re-pairs on the next
+`send` (or an explicit `pair`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+import zmq
+
+from pd_ssm.cache.pages import StatePages
+from pd_ssm.state_transfer.base import Ticket, TransferStats
+from pd_ssm.state_transfer.ledger import TransferLedger
+from pd_ssm.state_transfer.nccl_config import NcclConfig
+from pd_ssm.state_transfer.nccl_group import (
+    ADDRESS_KEY,
+    GEN_KEY,
+    SENDER_RANK,
+    PeerGroup,
+    join_store,
+    split_tcp,
+)
+from pd_ssm.state_transfer.nccl_message import Control, pack
+from pd_ssm.state_transfer.wire import encode_request
+
+
+@dataclass(slots=True)
+class _Outgoing:
+    req_id: str
+    work: Any  # torch.distributed Work of the p2p send
+    buf: torch.Tensor  # kept alive until the send completed
+    start: float  # time.monotonic()
+
+
+class NcclSender:
+    def __init__(self, config: NcclConfig, ledger: TransferLedger, ctx: zmq.Context) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.device = torch.device(config.device)
+        self.rendezvous = config.rendezvous
+        self.address: str | None = None  # the paired receiver's data address
+        self._token = config.token.encode()
+        self._ctx = ctx
+        self._push: zmq.Socket | None = None
+        self._group: PeerGroup | None = None
+        self._pending: list[_Outgoing] = []  # FIFO: p2p sends complete in posting order
+
+    @property
+    def paired(self) -> bool:
+        return self._group is not None
+
+    @property
+    def in_flight(self) -> int:
+        """p2p sends posted and not yet completed (each holds its buffer)."""
+        return len(self._pending)
+
+    def pair(self, rendezvous: str | None = None) -> None:
+        if rendezvous is not None:
+            split_tcp(rendezvous)
+            self.rendezvous = rendezvous
+        self.lose_peer("re-pairing")
+        try:
+            store = join_store(self.rendezvous, self.config.timeout)
+            address = store.get(ADDRESS_KEY).decode()
+            gen = store.add(GEN_KEY, 1)
+            self._close_push()
+            self._push = self._socket(address)
+            try:
+                self._push.send_multipart([self._token, Control("hello", gen, "", 0).encode()])
+            except zmq.Again:
+                raise RuntimeError(f"receiver {address} did not take the hello within {self.config.send_timeout} s") from None
+            group = PeerGroup(store, gen, SENDER_RANK, self.device, self.config.timeout)
+        except (RuntimeError, ValueError) as e:  # c10d raises RuntimeError (DistStoreError) on timeouts
+            raise RuntimeError(f"pairing with the receiver at {self.rendezvous} failed: {e}") from e
+        self.address, self._group = address, group
+
+    def send(self, pages: StatePages, ticket: Ticket) -> None:
+        if self._group is None:
+            try:
+                self.pair()
+            except RuntimeError as e:
+                self.ledger.fail(pages.req_id, str(e))
+                return
+        if ticket.address != self.address:
+            raise ValueError(
+                f"ticket of {ticket.req_id!r} names {ticket.address}, but this connector is paired with "
+                f"the receiver at {self.address}: one NcclConnector per receiver"
+            )
+        start = time.monotonic()
+        buf, metas = pack(pages, self.device)
+        req_header, req_payload = encode_request(pages.request)
+        assert self._group is not None
+        control = Control("data", self._group.gen, pages.req_id, buf.numel()).encode()
+        tensors = msgpack.packb(metas, use_bin_type=True)
+        self.post(pages.req_id, [self._token, control, req_header, req_payload, tensors], buf, start)
+
+    def post(self, req_id: str, parts: list[bytes | memoryview], buf: torch.Tensor, start: float) -> None:
+        """Metadata parts out, then the p2p send of `buf` (none for an empty request). Public so
+        fault tests can post a message they mangled; `send` is the way to post a request."""
+        if self._push is None or self._group is None:
+            raise RuntimeError("this NcclConnector is not paired: call pair() first")
+        try:
+            self._push.send_multipart(parts)
+        except zmq.Again:
+            self.ledger.fail(req_id, f"peer {self.address} did not take the metadata within {self.config.send_timeout} s")
+            return
+        if buf.numel() == 0:
+            self.ledger.sent(TransferStats(req_id, 0, time.monotonic() - start))
+            return
+        try:
+            work = self._group.isend(buf)
+        except RuntimeError as e:  # gloo refuses at once on a pair whose peer is gone
+            self.ledger.fail(req_id, f"peer lost: {e}")
+            self.lose_peer(f"peer lost: {e}")
+            return
+        self._pending.append(_Outgoing(req_id, work, buf, start))
+
+    def flush(self, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        while self._pending and self._group is not None:
+            out = self._pending[0]
+            why = self._group.wait(out.work, end - time.monotonic())
+            if why is not None:
+                self.lose_peer(f"p2p send failed: {why}")
+                break
+            self._complete()
+        return not self._pending
+
+    def reap(self) -> None:
+        """Report completed sends without blocking where the backend can tell (NCCL); a send older
+        than `timeout` means the peer is gone."""
+        while self._pending and self._group is not None:
+            out = self._pending[0]
+            if not self._group.done(out.work):
+                if time.monotonic() - out.start > self.config.timeout:
+                    self.lose_peer(f"p2p send not completed within {self.config.timeout} s")
+                return
+            why = self._group.wait(out.work, self.config.timeout)  # completed: surfaces its error
+            if why is not None:
+                self.lose_peer(f"p2p send failed: {why}")
+                return
+            self._complete()
+
+    def _complete(self) -> None:
+        out = self._pending.pop(0)
+        self.ledger.sent(TransferStats(out.req_id, out.buf.numel(), time.monotonic() - out.start))
+
+    def lose_peer(self, reason: str) -> None:
+        """Fail every send in flight (aborted ones silently) and tear the group down; the peer's
+        pending ops then fail too, so it notices at once."""
+        for out in self._pending:
+            if not self.ledger.is_aborted(out.req_id):
+                self.ledger.fail(out.req_id, reason)
+        self._pending.clear()
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+
+    def close(self, timeout: float) -> None:
+        """Wait up to `timeout` for posted sends, then drop the group and the socket."""
+        if self._group is not None:
+            self.flush(timeout)
+        self.lose_peer("connector closed")
+        self._close_push()
+
+    def _socket(self, address: str) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDTIMEO, int(self.config.send_timeout * 1000))
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # only onto a live connection: a dead peer -> Again
+        sock.connect(address)
+        return sock
+
+    def _close_push(self) -> None:
+        if self._push is not None:
+            self._push.close()
+            self._push = None
