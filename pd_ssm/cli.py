@@ -27,10 +27,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from pd_ssm import LLM, SamplingParams
+def llm_from_args(args: argparse.Namespace) -> Any:
+    """The `LLM` that the engine flags of `_engine_flags` describe (generate and the serve workers)."""
+    from pd_ssm import LLM
 
-    llm = LLM(
+    return LLM(
         model=args.model,
         device=args.device,
         dtype=args.dtype,
@@ -45,6 +46,12 @@ def _generate(args: argparse.Namespace) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
     )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pd_ssm import SamplingParams
+
+    llm = llm_from_args(args)
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -147,11 +154,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks on a CUDA device").add_subparsers(dest="bench", required=True)
     _add_bench_engine(bench)
     _add_bench_kernels(bench)
+    from pd_ssm.orchestrator.serve_cli import add_serve_parser
+
+    add_serve_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return _generate(args)
-        if args.command == "bench":
+        if args.command in ("bench", "serve"):
             return int(args.func(args))
     except Exception as e:  # bad input or a setup this machine cannot run: one clear line, no traceback
         if not _is_setup_error(e):

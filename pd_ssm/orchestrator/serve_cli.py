@@ -1,0 +1,84 @@
+"""`pd-ssm serve`: the flags of a local colocated deployment, turned into a LocalDeployment.
+
+Engine flags are `pd-ssm generate`'s (`_engine_flags`, vLLM's names); they are re-rendered as argv
+for every worker, so a flag added there reaches the workers without a change here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+
+
+def _engine_parser() -> argparse.ArgumentParser:
+    from pd_ssm.cli import _engine_flags
+
+    p = argparse.ArgumentParser(add_help=False)
+    _engine_flags(p)
+    return p
+
+
+def engine_argv(args: argparse.Namespace, skip: tuple[str, ...] = ("model",)) -> list[str]:
+    """The engine flags set in `args`, as command-line arguments (`--max-num-seqs 8`, `--enforce-eager`)."""
+    argv: list[str] = []
+    for action in _engine_parser()._actions:
+        if not action.option_strings or action.dest in skip:
+            continue
+        value = getattr(args, action.dest, None)
+        flag = action.option_strings[0]
+        if action.nargs == 0:  # store_true / store_false / store_const: the flag alone, when it is set
+            argv += [flag] if value == action.const else []
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from pd_ssm.cli import _engine_flags
+
+    p = sub.add_parser("serve", help="OpenAI-compatible server: router + colocated engine workers")
+    _engine_flags(p)
+    p.add_argument("--host", default="127.0.0.1", help="HTTP interface (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one (printed at startup)")
+    p.add_argument("--num-workers", type=int, default=1, help="colocated engine worker processes")
+    p.add_argument("--served-model-name", default=None, help="model name clients send (default: the directory's)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--routing-policy", default="least_loaded", help="round_robin | least_loaded | power_of_two")
+    p.add_argument("--health-interval", type=float, default=0.5, help="seconds between worker health checks")
+    p.add_argument("--health-timeout", type=float, default=3.0,
+                   help="seconds without an answer before a worker leaves rotation")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from pd_ssm.orchestrator.local import LocalDeployment, serve
+    from pd_ssm.router.policies import make_policy
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    make_policy(args.routing_policy)  # a typo fails before any process starts
+    if args.model is None:
+        from pd_ssm.default_model import default_model_dir
+
+        model_dir = str(default_model_dir())
+    else:
+        model_dir = str(Path(args.model).resolve())
+        if not (Path(model_dir) / "config.json").is_file():
+            raise FileNotFoundError(f"--model {args.model}: no config.json there; pass a checkpoint directory")
+    dep = LocalDeployment(
+        model_dir=model_dir,
+        served_model_name=args.served_model_name or Path(model_dir).name,
+        engine_argv=engine_argv(args),
+        num_workers=args.num_workers,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        policy=args.routing_policy,
+        health_interval=args.health_interval,
+        health_timeout=args.health_timeout,
+        device=args.device,
+        log_level=args.log_level,
+    )
+    return asyncio.run(serve(dep))

@@ -1,0 +1,265 @@
+"""WorkerPool: the router's typed ZMQ client to its workers, and their health.
+
+One PULL socket (bound; its address is what workers are told) takes every worker's messages;
+one PUSH per worker (connected to the address in its WorkerHello) carries commands.  A receive
+task dispatches by message type: StepOutputs -> the per-request stream queues, LoadReport ->
+the worker's load, WorkerError -> the failed request or (fatal) every request on that worker.
+
+Health: every `health_interval` s each live worker gets a HealthCheck; a worker from which nothing
+arrived for `health_timeout` s leaves rotation (UNRESPONSIVE) and comes back (HEALTHY) with its
+next message.  A worker is DEAD when it says so (fatal WorkerError) or when whoever supervises
+its process calls `mark_dead`; its in-flight requests then fail with a 503 at once, and a new
+WorkerHello under the same id (a restarted process) brings it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from pd_ssm.control.codec import CodecError
+from pd_ssm.control.messages import (
+    TO_ROUTER,
+    TO_WORKER,
+    AbortRequest,
+    HealthCheck,
+    LoadReport,
+    Shutdown,
+    StepOutputs,
+    SubmitRequest,
+    TokenDelta,
+    WorkerError,
+    WorkerHello,
+)
+from pd_ssm.control.queues import AsyncPullQueue, PushQueue
+from pd_ssm.router.policies import WorkerView
+from pd_ssm.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class WorkerStatus(enum.Enum):
+    STARTING = "starting"  # launched, no hello yet
+    HEALTHY = "healthy"
+    UNRESPONSIVE = "unresponsive"  # out of rotation until it answers again
+    DEAD = "dead"
+
+
+@dataclass(slots=True)
+class StreamFailure:
+    """Put on a request's queue when its worker is lost (the request ends with a 503), or when
+    the router aborted it (`aborted`: the client is gone, nobody is told)."""
+
+    message: str
+    aborted: bool = False
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """One request's deltas as they come from its worker; the last one has a finish_reason."""
+
+    req_id: str
+    worker_id: str
+    queue: asyncio.Queue[TokenDelta | StreamFailure] = field(default_factory=asyncio.Queue)
+    done: bool = False
+
+
+@dataclass(slots=True)
+class WorkerHandle:
+    worker_id: str
+    status: WorkerStatus = WorkerStatus.STARTING
+    address: str = ""
+    pid: int | None = None
+    max_model_len: int = 0
+    last_seen: float = 0.0  # monotonic seconds of the last message from it
+    load: LoadReport | None = None
+    error: str | None = None
+    inflight: set[str] = field(default_factory=set)
+    push: PushQueue | None = None
+
+    def view(self) -> WorkerView:
+        r = self.load
+        if r is None:
+            return WorkerView(self.worker_id, inflight=len(self.inflight))
+        return WorkerView(self.worker_id, len(self.inflight), r.running, r.waiting, r.free_slots, r.free_blocks)
+
+
+class NoWorkerError(RuntimeError):
+    """No worker is in rotation (HTTP 503)."""
+
+
+class WorkerPool:
+    def __init__(
+        self, host: str, expected: Iterable[str] = (), health_interval: float = 0.5, health_timeout: float = 3.0
+    ) -> None:
+        if not 0 < health_interval < health_timeout:
+            raise ValueError(f"need 0 < health_interval ({health_interval}) < health_timeout ({health_timeout})")
+        self.host = host
+        self.health_interval = health_interval
+        self.health_timeout = health_timeout
+        self.workers: dict[str, WorkerHandle] = {w: WorkerHandle(w) for w in expected}
+        self.streams: dict[str, RequestStream] = {}
+        self._actx = zmq.asyncio.Context()
+        self._sctx = zmq.Context()
+        self.pull = AsyncPullQueue(self._actx, host, TO_ROUTER)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._seq = 0
+
+    @property
+    def address(self) -> str:
+        """Where workers send their messages (give it to them at launch)."""
+        return self.pull.address
+
+    def start(self) -> None:
+        """Start the receive and health tasks on the running event loop."""
+        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._health_loop())]
+
+    async def close(self, shutdown_workers: bool = False) -> None:
+        for w in self.workers.values():
+            if shutdown_workers and w.push is not None and w.status is not WorkerStatus.DEAD:
+                self._send(w, Shutdown("router closing"))
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for w in self.workers.values():
+            if w.push is not None:
+                w.push.close()
+                w.push = None
+        self.pull.close()
+        # destroy, not term: term waits for every socket, and one left open would hang shutdown
+        self._actx.destroy(linger=0)
+        self._sctx.destroy(linger=0)
+
+    # --- rotation --------------------------------------------------------------------------
+    def in_rotation(self) -> list[WorkerHandle]:
+        return [w for w in self.workers.values() if w.status is WorkerStatus.HEALTHY]
+
+    def max_model_len(self) -> int:
+        """The longest request every worker in rotation can hold (0 with none)."""
+        return min((w.max_model_len for w in self.in_rotation()), default=0)
+
+    # --- requests --------------------------------------------------------------------------
+    def submit(self, worker_id: str, req_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        w = self.workers[worker_id]
+        if w.status is not WorkerStatus.HEALTHY or w.push is None:
+            raise NoWorkerError(f"worker {worker_id} is {w.status.value}")
+        if req_id in self.streams:
+            raise ValueError(f"request id {req_id!r} is already live")
+        stream = RequestStream(req_id, worker_id)
+        self.streams[req_id] = stream
+        w.inflight.add(req_id)
+        if not self._send(w, SubmitRequest(req_id, prompt_token_ids, params)):
+            self._end(stream)
+            raise NoWorkerError(f"worker {worker_id} does not take commands (its queue is full)")
+        return stream
+
+    def abort(self, req_id: str) -> None:
+        """Tell the worker to drop the request and free its pages; no-op once it has finished."""
+        stream = self.streams.get(req_id)
+        if stream is None:
+            return
+        w = self.workers.get(stream.worker_id)
+        if w is not None and w.status is not WorkerStatus.DEAD:
+            self._send(w, AbortRequest(req_id))
+        self._end(stream)
+
+    def _end(self, stream: RequestStream) -> None:
+        stream.done = True
+        self.streams.pop(stream.req_id, None)
+        w = self.workers.get(stream.worker_id)
+        if w is not None:
+            w.inflight.discard(stream.req_id)
+
+    def mark_dead(self, worker_id: str, reason: str) -> None:
+        """The worker is gone (process exited, fatal error): fail its requests, drop it from rotation."""
+        w = self.workers.setdefault(worker_id, WorkerHandle(worker_id))
+        if w.status is WorkerStatus.DEAD:
+            return
+        log.error("worker %s is dead: %s", worker_id, reason)
+        w.status, w.error = WorkerStatus.DEAD, reason
+        for req_id in list(w.inflight):
+            stream = self.streams.get(req_id)
+            if stream is not None:
+                stream.queue.put_nowait(StreamFailure(f"worker {worker_id} failed: {reason}"))
+                self._end(stream)
+        if w.push is not None:
+            w.push.close()
+            w.push = None
+
+    # --- receiving -------------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        while True:
+            try:
+                msg = await self.pull.recv()
+            except CodecError as e:  # a peer that speaks something else: drop it, keep serving
+                log.warning("dropped a control message: %s", e)
+                continue
+            self._dispatch(msg)
+
+    def _dispatch(self, msg: WorkerHello | LoadReport | StepOutputs | WorkerError) -> None:
+        w = self.workers.get(msg.worker_id)
+        if isinstance(msg, WorkerHello):
+            w = self._hello(msg)
+        elif w is None or w.status is WorkerStatus.DEAD:
+            return  # a late message from a worker already given up on
+        w.last_seen = time.monotonic()
+        if isinstance(msg, StepOutputs):
+            for delta in msg.deltas:
+                stream = self.streams.get(delta.req_id)
+                if stream is not None and stream.worker_id == w.worker_id:
+                    stream.queue.put_nowait(delta)
+                    if delta.finished:
+                        self._end(stream)
+        elif isinstance(msg, LoadReport):
+            w.load = msg
+        elif isinstance(msg, WorkerError):
+            if msg.fatal:
+                self.mark_dead(w.worker_id, msg.message)
+                return
+            log.warning("worker %s: %s", w.worker_id, msg.message)
+        if w.status in (WorkerStatus.UNRESPONSIVE, WorkerStatus.STARTING) and w.push is not None:
+            log.info("worker %s is in rotation", w.worker_id)
+            w.status = WorkerStatus.HEALTHY
+
+    def _hello(self, msg: WorkerHello) -> WorkerHandle:
+        w = self.workers.setdefault(msg.worker_id, WorkerHandle(msg.worker_id))
+        if w.push is not None:
+            w.push.close()
+        w.address, w.pid, w.max_model_len, w.error = msg.address, msg.pid, msg.max_model_len, None
+        w.push = PushQueue(self._sctx, msg.address, TO_WORKER)
+        w.status = WorkerStatus.STARTING  # HEALTHY right below, in _dispatch
+        log.info("worker %s (pid %d) at %s, max_model_len %d", msg.worker_id, msg.pid, msg.address,
+                 msg.max_model_len)
+        return w
+
+    # --- health ----------------------------------------------------------------------------
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            self.check_health(time.monotonic())
+
+    def check_health(self, now: float) -> None:
+        self._seq += 1
+        for w in self.workers.values():
+            if w.push is None or w.status is WorkerStatus.DEAD:
+                continue
+            if w.status is WorkerStatus.HEALTHY and now - w.last_seen > self.health_timeout:
+                log.warning("worker %s has not answered for %.1f s: out of rotation", w.worker_id, now - w.last_seen)
+                w.status = WorkerStatus.UNRESPONSIVE
+            self._send(w, HealthCheck(self._seq))
+
+    def _send(self, w: WorkerHandle, msg: SubmitRequest | AbortRequest | HealthCheck | Shutdown) -> bool:
+        if w.push is None:
+            return False
+        try:
+            w.push.send(msg, block=False)
+        except zmq.Again:
+            return False
+        return True
