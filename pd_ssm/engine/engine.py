@@ -30,6 +30,7 @@ from pd_ssm.cache.pool import CachePool
 from pd_ssm.config import EngineConfig, ModelConfig
 from pd_ssm.engine.cuda_graphs import DecodeGraphs, capture_sizes, check_capturable, table_width
 from pd_ssm.engine.decode_manager import DecodeManager
+from pd_ssm.engine.layer_export import LayerExporter, PageSink
 from pd_ssm.engine.memory_plan import (
     CachePlan,
     MemorySnapshot,
@@ -130,6 +131,8 @@ class Engine:
         # (nor in the scheduler) until `import_reserved`
         self.reserved: dict[str, int] = {}
         self._ids = itertools.count()
+        # prefill role (stream_prefills_to): finished prefills leave through it, not to a decode batch
+        self.exporter: LayerExporter | None = None
 
     def _plan_pools(self, start: MemorySnapshot, declared_len: int, graph_sizes: list[int]) -> CachePlan:
         """Profile the steps this engine will run, then size the pools from what is left."""
@@ -195,6 +198,8 @@ class Engine:
         req = self.requests.pop(req_id, None)
         if req is None:
             return None
+        if self.exporter is not None:
+            self.exporter.cancel(req_id)  # a ticket may wait for it in the sink
         self.scheduler.release(req)
         req.finish("abort")
         self.outputs.forget(req_id)
@@ -223,21 +228,38 @@ class Engine:
             was_prefill = req in prefilling
             new_text = self.outputs.append(req, token, logprobs)
             if req.finished:
+                if was_prefill and self.exporter is not None:
+                    self.exporter.cancel(req.req_id)  # done at its first token: nothing to decode
                 self.scheduler.release(req)
                 self.requests.pop(req.req_id, None)
             elif was_prefill:
                 self.scheduler.finish_prefill(req)
+                if self.exporter is not None:
+                    results.append(self.outputs.output(req, [token], new_text))
+                    self._ship(req)
+                    continue
                 self.scheduler.add_decoding(req)
             results.append(self.outputs.output(req, [token], new_text))
         return results
 
     # --- moving a request between engines --------------------------------------------------
-    def export_request(self, req_id: str) -> StatePages:
-        """Snapshot a request's cache and bookkeeping, then release it here."""
-        req = self.requests[req_id]
-        if req.num_computed_tokens == 0 or not self.cache.holds(req_id):
-            raise RequestError(f"request {req_id!r} holds no computed state to export yet")
-        state = RequestState(
+    def stream_prefills_to(self, sink: PageSink) -> LayerExporter:
+        """Prefill role: a request whose prefill finishes ships its pages to `sink` layer by layer
+        while the step's forward runs (layer_export.py), then its state with the first token; it then
+        leaves this engine instead of joining a decode batch."""
+        self.exporter = LayerExporter(self.pool, self.cache, sink)
+        self.runner.layer_export = self.exporter
+        return self.exporter
+
+    def _ship(self, req: Request) -> None:
+        assert self.exporter is not None
+        self.exporter.finish(self._request_state(req))  # waits for the last layers' copies
+        self.scheduler.release(req)
+        self.requests.pop(req.req_id)
+        self.outputs.forget(req.req_id)
+
+    def _request_state(self, req: Request) -> RequestState:
+        return RequestState(
             req_id=req.req_id,
             prompt_token_ids=list(req.prompt_token_ids),
             output_token_ids=list(req.output_token_ids),
@@ -247,6 +269,13 @@ class Engine:
             max_tokens=req.max_tokens,
             prompt=req.prompt,
         )
+
+    def export_request(self, req_id: str) -> StatePages:
+        """Snapshot a request's cache and bookkeeping, then release it here."""
+        req = self.requests[req_id]
+        if req.num_computed_tokens == 0 or not self.cache.holds(req_id):
+            raise RequestError(f"request {req_id!r} holds no computed state to export yet")
+        state = self._request_state(req)
         pages = export_pages(self.pool, state, self.cache.slot(req_id), self.cache.block_table(req_id))
         self.scheduler.release(req)
         self.requests.pop(req_id)

@@ -19,6 +19,7 @@ from pd_ssm.cache.manager import CacheManager
 from pd_ssm.cache.pool import CachePool
 from pd_ssm.engine.cuda_graphs import DecodeGraphs, DecodeRows
 from pd_ssm.engine.forward_meta import ForwardMeta
+from pd_ssm.engine.layer_export import LayerExporter
 from pd_ssm.engine.request import Request
 from pd_ssm.engine.sampler import Sampler
 from pd_ssm.engine.schedule_types import ScheduledSeq, SchedulerOutput
@@ -38,6 +39,8 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None  # set by the engine after capture (CUDA only)
+        # prefill role: ships the pages of prefills that finish in a step, layer by layer (eager)
+        self.layer_export: LayerExporter | None = None
 
     def build(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, ForwardMeta, list[int]]:
         """(input_ids, positions, meta, rows to sample) for the step."""
@@ -125,6 +128,8 @@ class ModelRunner:
             # every decode row samples: its one pending token is fed
             return self.graphs.run(self.decode_rows(sched.decodes)), [seq.request for seq in sched.decodes]
         input_ids, positions, meta, rows = self.build(sched)
+        # per-layer export of the prefills that finish in this step (eager only: graphs run no hook)
+        meta.on_layer = self.layer_export.begin(sched) if self.layer_export is not None else None
         hidden = self.model(input_ids, positions, meta, self.pool)
         sampling = [seq.request for seq in sched.seqs if seq.request.num_computed_tokens + seq.num_new_tokens
                     == seq.request.num_tokens]

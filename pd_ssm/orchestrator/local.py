@@ -26,8 +26,6 @@ from types import FrameType
 
 import uvicorn
 
-from pd_ssm.router.app import Router, RouterConfig, create_app
-from pd_ssm.router.prompts import PromptBuilder
 from pd_ssm.router.workers import WorkerPool
 
 log = logging.getLogger("pd_ssm.serve")
@@ -131,8 +129,6 @@ async def serve(dep: LocalDeployment) -> int:
     pool = WorkerPool("127.0.0.1" if dep.host in ("", "0.0.0.0", "::") else dep.host,
                       expected=[f"w{i}" for i in range(dep.num_workers)],
                       health_interval=dep.health_interval, health_timeout=dep.health_timeout)
-    router = Router(RouterConfig(dep.served_model_name, dep.api_key, dep.policy), pool,
-                    PromptBuilder.from_model_dir(dep.model_dir))
     sock = listen_socket(dep.host, dep.port)
     workers: list[WorkerProcess] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -143,6 +139,13 @@ async def serve(dep: LocalDeployment) -> int:
         for worker_id, handle in pool.workers.items():
             workers.append(spawn_worker(dep, worker_id, pool.address))
             handle.pid = workers[-1].proc.pid  # /health shows it before the worker's hello
+        # NOTE: imported only now: the router's tokenizer pulls in torch (seconds), which thus
+        # loads while the workers load their engines instead of before they start
+        from pd_ssm.router.app import Router, RouterConfig, create_app
+        from pd_ssm.router.prompts import PromptBuilder
+
+        router = Router(RouterConfig(dep.served_model_name, dep.api_key, dep.policy), pool,
+                        PromptBuilder.from_model_dir(dep.model_dir))
         host, port = sock.getsockname()[:2]
         print(f"pd-ssm serve: {dep.num_workers} worker(s), model {dep.served_model_name!r}, "
               f"listening on http://{host}:{port}", flush=True)

@@ -148,6 +148,10 @@ class EngineWorker:
     def _step(self) -> None:
         outs = self.engine.step()
         self._steps += 1
+        if any(o.finished for o in outs):
+            # pages were freed; reported before the deltas, so that by the time the router sees a
+            # request finish, its view of the pools (and /metrics) already shows them free
+            self._send_load(-1)
         if outs:
             self.to_router.send(StepOutputs(self.config.worker_id, [delta_from_output(o) for o in outs]))
 
