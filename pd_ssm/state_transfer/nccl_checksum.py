@@ -14,7 +14,8 @@ of that shape are not what we guard against; NCCL and TCP have their own link ch
 
 Layout contract with nccl_message.pack: every tensor starts at a BLOCK-aligned offset and the
 buffer length is a multiple of BLOCK; the gap after a tensor is zero-filled by the sender and is
-covered by that tensor's checksum.
+covered by that tensor's checksum, as is the tensor's header (layer, name, dtype, shape,
+offset, length).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def block_sums(buf: torch.Tensor) -> bytes:
     return sums.cpu().numpy().astype("<i8").tobytes()
 
 
-def tensor_checksum(sums: bytes, offset: int, nbytes: int) -> int:
-    """crc32 over the block sums of [offset, align(offset + nbytes)) (offset BLOCK-aligned)."""
+def tensor_checksum(sums: bytes, offset: int, nbytes: int, header: bytes) -> int:
+    """crc32 over the tensor's `header` (its description: a header edited in transit or by a buggy
+    sender fails too), then the block sums of [offset, align(offset + nbytes)) (offset BLOCK-aligned)."""
     first, last = offset // BLOCK, align(offset + nbytes) // BLOCK
-    return zlib.crc32(sums[first * 8 : last * 8])
+    return zlib.crc32(sums[first * 8 : last * 8], zlib.crc32(header))

@@ -34,6 +34,12 @@ import torch.distributed as dist
 SENDER_RANK, RECEIVER_RANK = 0, 1
 GEN_KEY = "pd_ssm/nccl/generation"
 ADDRESS_KEY = "pd_ssm/nccl/address"
+
+
+def dropped_key(gen: int) -> str:
+    """Set by the receiver when it drops generation `gen`: how the sender learns of it (the
+    side channel is one-way, and a gloo send completes once its bytes are in the socket)."""
+    return f"pd_ssm/nccl/gen{gen}/dropped"
 _WATCHDOG_FACTOR = 4  # NCCL's watchdog fires this many connector timeouts after a stuck op
 
 

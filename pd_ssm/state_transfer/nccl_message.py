@@ -64,7 +64,7 @@ class TensorMeta:
     shape: tuple[int, ...]
     offset: int  # BLOCK-aligned
     nbytes: int
-    checksum: int  # nccl_checksum.tensor_checksum of [offset, align(offset + nbytes))
+    checksum: int  # nccl_checksum.tensor_checksum of this header and [offset, align(offset + nbytes))
 
 
 def pack(pages: StatePages, device: torch.device) -> tuple[torch.Tensor, list[dict[str, Any]]]:
@@ -96,10 +96,22 @@ def pack(pages: StatePages, device: torch.device) -> tuple[torch.Tensor, list[di
     buf = torch.empty(offset, dtype=torch.uint8, device=device)
     if parts:
         torch.cat(parts, out=buf)
+    seal(metas, buf)
+    return buf, metas
+
+
+def seal(metas: list[dict[str, Any]], buf: torch.Tensor) -> None:
+    """Fill in each tensor header's checksum (over the header itself and its bytes in `buf`)."""
     sums = block_sums(buf)
     for m in metas:
-        m["checksum"] = tensor_checksum(sums, m["offset"], m["nbytes"])
-    return buf, metas
+        m["checksum"] = tensor_checksum(sums, m["offset"], m["nbytes"], _describe(
+            m["layer"], m["page_kind"], m["name"], m["dtype"], m["shape"], m["offset"], m["nbytes"]
+        ))
+
+
+def _describe(layer: int, kind: str, name: str, dtype: str, shape: Any, offset: int, nbytes: int) -> bytes:
+    """The header fields a checksum covers, in one canonical byte string."""
+    return msgpack.packb([layer, kind, name, dtype, list(shape), offset, nbytes], use_bin_type=True)
 
 
 def unpack(request: RequestState, metas: list[TensorMeta], buf: torch.Tensor, device: torch.device) -> StatePages:
@@ -107,7 +119,8 @@ def unpack(request: RequestState, metas: list[TensorMeta], buf: torch.Tensor, de
     sums = block_sums(buf)
     pages = StatePages(request)
     for m in metas:
-        got = tensor_checksum(sums, m.offset, m.nbytes)
+        header = _describe(m.layer, m.page_kind, m.name, _DTYPE_NAMES[m.dtype], m.shape, m.offset, m.nbytes)
+        got = tensor_checksum(sums, m.offset, m.nbytes, header)
         if got != m.checksum:
             raise FrameError(
                 f"checksum mismatch on layer {m.layer} {m.name!r}: computed {got:#010x}, sent {m.checksum:#010x}"

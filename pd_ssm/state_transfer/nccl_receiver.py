@@ -24,6 +24,7 @@ from pd_ssm.state_transfer.nccl_group import (
     GEN_KEY,
     RECEIVER_RANK,
     PeerGroup,
+    dropped_key,
     host_store,
     split_tcp,
 )
@@ -79,7 +80,7 @@ class NcclReceiver:
         except FrameError as e:
             if authentic and self._group is not None:
                 # our sender's data message we cannot size: its p2p bytes would misalign the stream
-                self.lose_peer()
+                self.lose_peer(f"unreadable control part: {e}")
             self.ledger.fail_anonymous("malformed", f"side-channel message dropped: {e}")
             return None
         if control.kind == "hello":
@@ -131,7 +132,7 @@ class NcclReceiver:
         assert self._store is not None
         if control.gen <= self._gen or control.gen < self._store.add(GEN_KEY, 0):
             return  # superseded: that sender gave up or a newer one already asked
-        self.lose_peer()
+        self.lose_peer(f"replaced by generation {control.gen}")
         self._gen = control.gen
         try:
             self._group = PeerGroup(self._store, control.gen, RECEIVER_RANK, self.device, self.config.timeout)
@@ -153,16 +154,18 @@ class NcclReceiver:
             why = self._group.wait(work, self.config.timeout)
         if why is None:
             return buf, None
-        self.lose_peer()
+        self.lose_peer(f"p2p recv failed: {why}")
         return None, f"peer lost mid-transfer ({control.nbytes} B): {why}"
 
-    def lose_peer(self) -> None:
-        """Tear the group down; the next hello pairs again."""
+    def lose_peer(self, reason: str) -> None:
+        """Tear the group down and tell its sender through the store; the next hello pairs again."""
         if self._group is not None:
+            if self._store is not None:
+                self._store.set(dropped_key(self._group.gen), reason)
             self._group.close()
             self._group = None
 
     def close(self) -> None:
-        self.lose_peer()
+        self.lose_peer("receiver closed")
         self._pull.close()
         self._store = None

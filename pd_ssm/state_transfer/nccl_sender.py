@@ -13,6 +13,7 @@ from typing import Any
 
 import msgpack
 import torch
+import torch.distributed as dist
 import zmq
 
 from pd_ssm.cache.pages import StatePages
@@ -24,6 +25,7 @@ from pd_ssm.state_transfer.nccl_group import (
     GEN_KEY,
     SENDER_RANK,
     PeerGroup,
+    dropped_key,
     join_store,
     split_tcp,
 )
@@ -50,6 +52,7 @@ class NcclSender:
         self._ctx = ctx
         self._push: zmq.Socket | None = None
         self._group: PeerGroup | None = None
+        self._store: dist.TCPStore | None = None
         self._pending: list[_Outgoing] = []  # FIFO: p2p sends complete in posting order
 
     @property
@@ -79,7 +82,7 @@ class NcclSender:
             group = PeerGroup(store, gen, SENDER_RANK, self.device, self.config.timeout)
         except (RuntimeError, ValueError) as e:  # c10d raises RuntimeError (DistStoreError) on timeouts
             raise RuntimeError(f"pairing with the receiver at {self.rendezvous} failed: {e}") from e
-        self.address, self._group = address, group
+        self.address, self._group, self._store = address, group, store
 
     def send(self, pages: StatePages, ticket: Ticket) -> None:
         if self._group is None:
@@ -124,6 +127,7 @@ class NcclSender:
 
     def flush(self, timeout: float) -> bool:
         end = time.monotonic() + timeout
+        self._check_dropped()
         while self._pending and self._group is not None:
             out = self._pending[0]
             why = self._group.wait(out.work, end - time.monotonic())
@@ -135,7 +139,8 @@ class NcclSender:
 
     def reap(self) -> None:
         """Report completed sends without blocking where the backend can tell (NCCL); a send older
-        than `timeout` means the peer is gone."""
+        than `timeout` means the peer is gone. Also notices a pairing the receiver dropped."""
+        self._check_dropped()
         while self._pending and self._group is not None:
             out = self._pending[0]
             if not self._group.done(out.work):
@@ -147,6 +152,19 @@ class NcclSender:
                 self.lose_peer(f"p2p send failed: {why}")
                 return
             self._complete()
+
+    def _check_dropped(self) -> None:
+        """One store round trip: did the receiver drop our generation (then re-pair on next send)?"""
+        if self._group is None or self._store is None:
+            return
+        key = dropped_key(self._group.gen)
+        try:
+            dropped = self._store.check([key])
+            reason = self._store.get(key).decode() if dropped else ""
+        except RuntimeError as e:  # the store went with its receiver
+            dropped, reason = True, f"rendezvous store unreachable: {e}"
+        if dropped:
+            self.lose_peer(f"the receiver dropped the pairing ({reason})")
 
     def _complete(self) -> None:
         out = self._pending.pop(0)
@@ -162,6 +180,7 @@ class NcclSender:
         if self._group is not None:
             self._group.close()
             self._group = None
+        self._store = None
 
     def close(self, timeout: float) -> None:
         """Wait up to `timeout` for posted sends, then drop the group and the socket."""
