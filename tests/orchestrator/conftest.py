@@ -56,6 +56,9 @@ class Serve:
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
 
+    def model_name(self) -> str:
+        return json.loads(self.get("/v1/models", self.auth)[1])["data"][0]["id"]
+
     def health(self) -> dict[str, Any]:
         return json.loads(self.get("/health")[1])
 

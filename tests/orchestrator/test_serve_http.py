@@ -11,11 +11,6 @@ from typing import Any
 
 import pytest
 
-
-def _name(api_server: Any) -> str:
-    return json.loads(api_server.get("/v1/models", api_server.auth)[1])["data"][0]["id"]
-
-
 BAD_COMPLETIONS: list[tuple[str, dict[str, Any], str]] = [
     ("missing prompt", {"max_tokens": 4}, "prompt"),
     ("max_tokens zero", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
