@@ -1,0 +1,149 @@
+"""Triton y = x W^T (+ bias) for the few rows of a decode step: a weight-streaming kernel.
+
+At decode, a linear layer reads its whole weight matrix for a handful of rows: the step is bound by
+the weight bytes, and what matters is keeping enough of them in flight on every SM.  cuBLAS picks
+split-K kernels plus a reduction for these shapes (two launches, 2.4-3.4 TB/s measured inside the
+Mamba2-2.7B decode step on an H200).  This kernel gives each program BLOCK_N output columns for all
+rows and streams their K-long weight rows through a software pipeline (num_stages), no split-K.
+
+  rows <= 8  ("FMA" path): acc[BLOCK_N, BLOCK_K] += W * x on the CUDA cores, reduced over K at the
+             end, one row of x at a time (the tensor cores gain nothing on a memory-bound GEMV)
+  rows  > 8  ("DOT" path): tl.dot of [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles, fp32 accumulate
+
+Numerics: fp32 accumulation, one rounding to the output dtype, bias added in fp32 before it.
+Reference: `skinny_linear_ref` (torch.nn.functional.linear on fp32 upcasts, rounded once).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+MAX_ROWS = 256  # more rows than this: a real GEMM (cuBLAS) is the better tool
+
+
+class LinearTile(NamedTuple):
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# NOTE: placeholders until measured (benchmarks/linear_gpu.py sweeps them on the GPU)
+FMA_TILE = LinearTile(16, 256, 4, 4)
+DOT_TILE = LinearTile(32, 128, 4, 4)
+
+
+def skinny_linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) in fp32, rounded once to x.dtype."""
+    y = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+@triton.jit
+def _skinny_fma_kernel(
+    # pointers
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    # dimensions (K is specialized on: a layer's K never changes, and the loop bound is static)
+    M, N, K: tl.constexpr,
+    # strides (the last axes have stride 1)
+    stride_xm, stride_wn, stride_ym,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1)  # one row per program along axis 1: W is re-read from L2 per row
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        k_ok = offs_k < K
+        w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        xv = tl.load(x_ptr + m.to(tl.int64) * stride_xm + offs_k, mask=k_ok, other=0.0)  # [BLOCK_K]
+        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)  # [BLOCK_N]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _skinny_dot_kernel(
+    # pointers
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    # dimensions (K is specialized on: a layer's K never changes, and the loop bound is static)
+    M, N, K: tl.constexpr,
+    # strides (the last axes have stride 1)
+    stride_xm, stride_wn, stride_ym,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        xv = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
+                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        w = tl.load(w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None],
+                    mask=n_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_N] (W^T)
+        if INTERPRETED:  # the interpreter's bf16 dot multiplies raw bits: exact fp32 products instead
+            acc = tl.dot(xv.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xv, w, acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def skinny_linear_triton(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tile: LinearTile | None = None
+) -> Tensor:
+    """y [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), M <= MAX_ROWS, one launch.
+
+    x and weight share a dtype (bf16 / fp16 / fp32) and have stride 1 on K; bias in any float
+    dtype.  fp32 inputs on the DOT path use tf32 tensor cores on the GPU: this kernel is meant for
+    bf16 / fp16 decode steps (fp32 models keep torch's linear).
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"skinny_linear: x [M, K] and weight [N, K] expected, got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if x.dtype != weight.dtype or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("skinny_linear: x and weight must share a dtype and have stride 1 on K")
+    M, K = x.shape
+    N = weight.shape[0]
+    if not 0 < M <= MAX_ROWS:
+        raise ValueError(f"skinny_linear: 1..{MAX_ROWS} rows, got {M}")
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"skinny_linear: bias must be [{N}], got {tuple(bias.shape)}")
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)  # [M, N]
+    interpreted = not x.is_cuda
+    if M <= 8:
+        t = tile or FMA_TILE
+        _skinny_fma_kernel[(triton.cdiv(N, t.block_n), M)](
+            x, weight, bias, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_N=t.block_n, BLOCK_K=t.block_k, NUM_STAGES=t.num_stages,
+            num_warps=t.num_warps,
+        )
+    else:
+        t = tile or DOT_TILE
+        block_m = min(64, max(16, triton.next_power_of_2(M)))
+        _skinny_dot_kernel[(triton.cdiv(N, t.block_n), triton.cdiv(M, block_m))](
+            x, weight, bias, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+            NUM_STAGES=t.num_stages, INTERPRETED=interpreted, num_warps=t.num_warps,
+        )
+    return y
