@@ -26,6 +26,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return per generated token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's meaning: False returns token ids only (no text), and the engine spends no time on
+    # detokenizing; a front end that has the tokenizer (the router) makes the text itself
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +60,8 @@ class SamplingParams:
             raise SamplingParamsError("stop_token_ids must be >= 0")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise SamplingParamsError(f"logprobs must be an int >= 0, got {self.logprobs!r}")
+        if self.stop and not self.detokenize:
+            raise SamplingParamsError("stop strings need the text: set detokenize=True or use stop_token_ids")
 
     @property
     def greedy(self) -> bool:

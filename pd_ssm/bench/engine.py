@@ -8,7 +8,9 @@ read, so the host clock around it measures the whole step.
   prefill   one request of `prefill_tokens` tokens, batch 1, max_tokens 1: one step prefills it
             and samples its first token; median of several runs
   decode    `batch` requests past their prefill; median ms/step over many steady-state steps,
-            through the CUDA graphs unless --enforce-eager
+            through the CUDA graphs unless --enforce-eager; twice per batch: with text (each
+            step detokenizes every request) and "ids only" (SamplingParams.detokenize=False, what
+            a decode worker runs when the router makes the text, as vLLM's engine core does)
 
 Floors (ceilings measured in the same run, TARGETS.md):
   decode    (weight bytes + state bytes read and written + KV bytes read and written) / copy
@@ -245,8 +247,10 @@ def run_engine_bench(opts: EngineBenchOptions, on_row: Callable[[BenchRow], None
         on_row(rows[-1])
     # --- decode --------------------------------------------------------------------------
     graphs = engine.runner.graphs
-    for batch in opts.batch_sizes:
-        params = SamplingParams(temperature=0, max_tokens=opts.warmup_steps + opts.decode_steps + 4, ignore_eos=True)
+    passes = [(batch, detok) for batch in opts.batch_sizes for detok in (True, False)]
+    for batch, detokenize in passes:
+        params = SamplingParams(temperature=0, max_tokens=opts.warmup_steps + opts.decode_steps + 4, ignore_eos=True,
+                                detokenize=detokenize)
         ids = [engine.add_request(prompt(16), params).req_id for _ in range(batch)]
         sched = engine.scheduler
         while sched.num_waiting or (sched.prefill is not None and sched.prefill.prefilling):
@@ -270,7 +274,8 @@ def run_engine_bench(opts: EngineBenchOptions, on_row: Callable[[BenchRow], None
         ms = _median_ms(times)
         floor_ms = 1e3 * nbytes / copy_bps
         note = f"run+sample {_median_ms(run_times):.3f} ms" + ("" if via_graphs else ", eager")
-        rows.append(BenchRow(f"decode batch {batch}", ms, floor_ms, "memory", f"<= {DECODE_TARGET} x floor",
+        name = f"decode batch {batch}" + ("" if detokenize else ", ids only")
+        rows.append(BenchRow(name, ms, floor_ms, "memory", f"<= {DECODE_TARGET} x floor",
                              ms <= DECODE_TARGET * floor_ms, nbytes, note))
         if on_row is not None:
             on_row(rows[-1])

@@ -88,6 +88,18 @@ class CacheManager:
         self._take_blocks(alloc, self.blocks_needed(num_tokens))
         return alloc.slot
 
+    def try_grow(self, req_id: str, num_tokens: int) -> bool:
+        """`grow` if the blocks are there (True), else change nothing (False): one lookup, and no
+        block arithmetic at all while the table already covers `num_tokens` (most decode steps)."""
+        alloc = self._by_request[req_id]
+        if not self.uses_kv or num_tokens <= len(alloc.blocks) * self.block_size:
+            return True
+        extra = self.blocks_needed(num_tokens) - len(alloc.blocks)
+        if extra > len(self._free_blocks):
+            return False
+        self._take_blocks(alloc, extra)
+        return True
+
     def grow(self, req_id: str, num_tokens: int) -> None:
         """Extend the request's block table to cover `num_tokens` tokens (all or nothing)."""
         alloc = self._by_request[req_id]

@@ -23,7 +23,4 @@ class DecodeManager:
 
     def schedule_one(self, req: Request) -> ScheduledSeq | None:
         """Reserve room for the request's next token, or None if the blocks ran out."""
-        if not self.cache.can_grow(req.req_id, req.num_tokens):
-            return None
-        self.cache.grow(req.req_id, req.num_tokens)
-        return ScheduledSeq(req, 1)
+        return ScheduledSeq(req, 1) if self.cache.try_grow(req.req_id, req.num_tokens) else None

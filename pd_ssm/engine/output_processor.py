@@ -3,7 +3,8 @@
 Stop rules, in vLLM's order: EOS (unless ignore_eos), a stop token id, a stop string (the text is
 cut before it unless include_stop_str_in_output), max_tokens, the model length.  EOS and stop
 tokens are not counted before `min_tokens` tokens exist.  Each request keeps its own detokenizer,
-created lazily, so imported requests (StatePages) rebuild it from their output tokens.
+created lazily, so imported requests (StatePages) rebuild it from their output tokens.  A request
+with `detokenize=False` gets no text and costs no decoding (vLLM's meaning).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class OutputProcessor:
             req.logprobs.append(logprobs)
         p = req.params
         n_out = len(req.output_token_ids)
+        if not p.detokenize:
+            return self._append_ids_only(req, token, n_out)
         detok = self._detokenizer(req)
         is_eos = token in self.eos and not p.ignore_eos
         if n_out >= p.min_tokens and is_eos:
@@ -56,6 +59,17 @@ class OutputProcessor:
             req.finish("length")
         return self._flush(req)
 
+    def _append_ids_only(self, req: Request, token: int, n_out: int) -> str:
+        """The stop rules that need no text (detokenize=False): EOS, stop ids, the length limits."""
+        p = req.params
+        if n_out >= p.min_tokens and token in self.eos and not p.ignore_eos:
+            req.finish("stop")
+        elif n_out >= p.min_tokens and token in p.stop_token_ids:
+            req.finish("stop", token)
+        elif n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.finish("length")
+        return ""
+
     def output(self, req: Request, new_tokens: list[int], new_text: str) -> RequestOutput:
         lp = req.logprobs if req.params.logprobs is not None else None
         cum = None
@@ -73,7 +87,9 @@ class OutputProcessor:
         return RequestOutput(
             request_id=req.req_id,
             prompt=req.prompt,
-            prompt_token_ids=list(req.prompt_token_ids),
+            # NOTE: shared, not copied (a request's prompt never changes): a per-step copy would cost
+            # O(prompt) per sequence and step
+            prompt_token_ids=req.prompt_token_ids,
             outputs=[comp],
             finished=req.finished,
             new_token_ids=new_tokens,

@@ -36,6 +36,18 @@ def test_all_or_nothing() -> None:
     m.check()
 
 
+def test_try_grow_is_grow_or_nothing() -> None:
+    m = CacheManager(num_slots=2, num_blocks=3, block_size=4, uses_kv=True)
+    m.allocate("a", 5)  # 2 blocks
+    assert m.try_grow("a", 8) and len(m.block_table("a")) == 2  # covered: no new block
+    assert m.try_grow("a", 9) and len(m.block_table("a")) == 3
+    assert not m.try_grow("a", 13) and len(m.block_table("a")) == 3 and m.num_free_blocks == 0
+    m.check()
+    ssm = CacheManager(num_slots=1, num_blocks=0, block_size=4, uses_kv=False)
+    ssm.allocate("b", 3)
+    assert ssm.try_grow("b", 10_000) and ssm.block_table("b") == []
+
+
 def test_ssm_only_needs_no_blocks() -> None:
     m = CacheManager(num_slots=2, num_blocks=100, block_size=16, uses_kv=False)
     assert m.num_blocks == 0

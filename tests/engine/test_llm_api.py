@@ -138,6 +138,24 @@ def test_stop_rules_and_logprobs(hf_checkpoint: Any) -> None:
     clean(llm)
 
 
+def test_detokenize_off_gives_the_same_ids_and_no_text(hf_checkpoint: Any) -> None:
+    path, _ = hf_checkpoint(HYBRID)
+    llm = small_llm(path)
+    prompts = random_prompts(384, [12, 30, 5], seed=3)
+    kw: dict[str, Any] = dict(temperature=0.9, seed=11, max_tokens=14)
+    with_text = llm.generate(prompts, SamplingParams(**kw))
+    ids_only = llm.generate(prompts, SamplingParams(detokenize=False, **kw))
+    for a, b in zip(with_text, ids_only, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids and b.outputs[0].text == ""
+        assert b.outputs[0].finish_reason == a.outputs[0].finish_reason
+    toks = with_text[0].outputs[0].token_ids
+    cut = llm.generate([prompts[0]], SamplingParams(detokenize=False, stop_token_ids=[toks[4]], **kw))[0]
+    assert cut.outputs[0].token_ids == toks[: toks.index(toks[4]) + 1] and cut.outputs[0].finish_reason == "stop"
+    with pytest.raises(SamplingParamsError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
+    clean(llm)
+
+
 def test_bad_input_is_a_clear_error(hf_checkpoint: Any, tmp_path: Path) -> None:
     path, _ = hf_checkpoint(HYBRID)
     llm = small_llm(path, max_model_len=64)
