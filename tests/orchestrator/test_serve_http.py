@@ -77,8 +77,9 @@ def test_health_and_metrics(api_server: Any) -> None:
     (worker,) = json.loads(body)["workers"]
     assert worker["status"] == "healthy" and worker["pid"] > 0
     n = random.randint(3, 9)
+    body = {"prompt": "metrics", "max_tokens": 3, "ignore_eos": True}
     for _ in range(n):
-        assert api_server.post("/v1/completions", {"prompt": "metrics", "max_tokens": 3}, api_server.auth)[0] == 200
+        assert api_server.post("/v1/completions", body, api_server.auth)[0] == 200
     text = api_server.get("/metrics")[1]
     for name in ("pd_ssm_time_to_first_token_seconds_count", "pd_ssm_time_per_output_token_seconds_count",
                  "pd_ssm_e2e_request_latency_seconds_count"):
