@@ -35,7 +35,7 @@ from pd_ssm.router.responses import (
     usage_chunk,
 )
 from pd_ssm.router.workers import WorkerPool, WorkerStatus
-from pd_ssm.sampling_params import SamplingParamsError
+from pd_ssm.sampling_params import SamplingParams, SamplingParamsError
 
 
 @dataclass(slots=True)
@@ -67,7 +67,9 @@ class Router:
         for param, why in body.unsupported():
             raise APIError(400, f"{param}: {why}", param)
 
-    def params(self, body: _GenerationRequest, prompt_ids: list[int], max_tokens: int | None, prompt_field: str):
+    def params(
+        self, body: _GenerationRequest, prompt_ids: list[int], max_tokens: int | None, prompt_field: str
+    ) -> SamplingParams:
         limit = self.pool.max_model_len()
         if limit == 0:
             raise APIError(503, "no engine worker is available right now; retry shortly (see GET /health)")
