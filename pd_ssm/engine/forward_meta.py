@@ -13,6 +13,7 @@ Python side (and the torch reference kernels) never synchronize with the device 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -33,9 +34,17 @@ class ForwardMeta:
     query_start_loc_cpu: list[int]
     context_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # called by the model after each decoder layer (its index) on steps that stream pages out
+    # (layer_export.py); None on every other step, and inside CUDA graphs
+    on_layer: Callable[[int], None] | None = field(default=None, repr=False, compare=False)
     # NOTE: every SSM and attention layer asks for the same two views; built once per step
     _prefill: ForwardMeta | None = field(default=None, init=False, repr=False, compare=False)
     _decode: ForwardMeta | None = field(default=None, init=False, repr=False, compare=False)
+
+    def layer_done(self, layer_idx: int) -> None:
+        """The model finished decoder layer `layer_idx` of this step."""
+        if self.on_layer is not None:
+            self.on_layer(layer_idx)
 
     @property
     def num_seqs(self) -> int:

@@ -78,8 +78,9 @@ class BambaForCausalLM(CausalLM):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta, cache: CachePool
     ) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
             hidden = layer(hidden, positions, meta, cache)
+            meta.layer_done(i)  # its cache pages are final: a streaming step may ship them now
         return self.model.final_layernorm(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

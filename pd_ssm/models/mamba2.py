@@ -64,8 +64,9 @@ class Mamba2ForCausalLM(CausalLM):
     ) -> torch.Tensor:
         residual = self.backbone.embeddings(input_ids)  # [T, hidden] in the activation dtype
         delta: torch.Tensor | None = None
-        for layer in self.backbone.layers:
+        for i, layer in enumerate(self.backbone.layers):
             delta, residual = layer(delta, residual, meta, cache)
+            meta.layer_done(i)  # its cache pages are final: a streaming step may ship them now
         # NOTE: norm_f normalizes the stream in its own dtype (fp32 with residual_in_fp32, the weight
         # upcast), unlike the blocks' norms, which round it to the weight dtype first
         return self.backbone.norm_f.add_forward(delta, residual, residual.dtype, out_dtype=residual.dtype).normed

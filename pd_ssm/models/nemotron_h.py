@@ -77,8 +77,9 @@ class NemotronHForCausalLM(CausalLM):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta, cache: CachePool
     ) -> torch.Tensor:
         hidden = self.backbone.embeddings(input_ids)
-        for layer in self.backbone.layers:
+        for i, layer in enumerate(self.backbone.layers):
             hidden = layer(hidden, positions, meta, cache)
+            meta.layer_done(i)  # its cache pages are final: a streaming step may ship them now
         return self.backbone.norm_f(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

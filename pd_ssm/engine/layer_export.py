@@ -1,0 +1,142 @@
+"""LayerExporter: the prefill role streams each finished prefill out of the pool layer by layer.
+
+When a step runs a request's last prefill chunk, every cache layer's pages of that request (SSM:
+the conv and SSM state of its slot; attention: its KV) are final as soon as that layer's forward
+is done. The runner gives the model a per-layer hook (`ForwardMeta.on_layer`) for such steps; the
+hook snapshots the layer's pages and hands them to a `PageSink` (a connector), so the transfer
+overlaps the remaining layers' compute. After sampling, the engine calls `finish` with the
+request's state (first token, sampler state): the sink's last call for the request.
+
+GPU ordering: the kernels are queued ahead of the device, so at hook time layer l has been
+*launched*, not run. The hook records an event on the compute stream; a side stream waits for it
+and copies the pages into pinned host staging (so the copy runs on a copy engine beside the next
+layers' compute). A snapshot goes to the sink only once its copy has completed (event query).
+To keep the host at most `lag` cache layers ahead of the device -- else nothing could be handed
+over before the sampler's final sync -- the hook waits for the oldest copy when more are
+outstanding. `finish` and `cancel` wait for every copy of the step, so by the time the engine
+frees the slot no copy still reads it and no later step can overwrite it under one.
+
+Decode steps never stream: the runner asks `begin` only on eager steps, and CUDA graphs are left
+alone (their captured ForwardMeta has no hook).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pd_ssm.cache.manager import CacheManager
+from pd_ssm.cache.pages import LayerPages, RequestState, export_layer
+from pd_ssm.cache.pool import CachePool
+from pd_ssm.engine.schedule_types import SchedulerOutput
+
+
+class PageSink(Protocol):
+    """Where the exporter puts a request's pages (state_transfer.connector_sink.ConnectorSink)."""
+
+    def send_layers(self, req_id: str, layers: list[LayerPages]) -> None:
+        """Some final layers of `req_id` (host tensors, each layer once over all calls)."""
+
+    def finish(self, request: RequestState) -> None:
+        """The last call for a request: its state after the first token; all its layers came before."""
+
+    def cancel(self, req_id: str) -> None:
+        """The request will not be finished (finished on its first token, aborted): drop it."""
+
+
+@dataclass(slots=True)
+class _Target:
+    """A request whose last prefill chunk runs in this step."""
+
+    req_id: str
+    slot: int
+    block_table: list[int]
+    num_tokens: int  # tokens in its cache after this step (KV rows to export)
+
+
+@dataclass(slots=True)
+class _Staged:
+    done: torch.cuda.Event  # recorded on the side stream after the copies
+    pages: list[tuple[str, LayerPages]]  # host staging, complete once `done` is
+
+
+class LayerExporter:
+    def __init__(self, pool: CachePool, cache: CacheManager, sink: PageSink, lag: int = 2) -> None:
+        if lag < 1:
+            raise ValueError(f"LayerExporter lag must be >= 1 cache layers, got {lag}")
+        self.pool = pool
+        self.cache = cache
+        self.sink = sink
+        self.lag = lag
+        self.cache_layers = frozenset(pool.ssm_index) | frozenset(pool.attn_index)
+        self.side = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
+        self._targets: list[_Target] = []
+        self._staged: deque[_Staged] = deque()
+
+    def begin(self, sched: SchedulerOutput) -> Callable[[int], None] | None:
+        """The hook for this step's forward, or None if no request finishes its prefill in it."""
+        self._targets = [
+            _Target(req.req_id, self.cache.slot(req.req_id), list(self.cache.block_table(req.req_id)) if
+                    self.cache.uses_kv else [], req.num_computed_tokens + n)
+            for req, n in sched.prefills
+            if req.num_computed_tokens + n == req.num_tokens
+        ]
+        return self.layer_done if self._targets else None
+
+    def layer_done(self, layer_idx: int) -> None:
+        """Called by the model after decoder layer `layer_idx` of a streaming step."""
+        if layer_idx not in self.cache_layers:
+            return  # an MLP-only layer: no state
+        if self.side is None:  # CPU: the forward ran synchronously, the pages are final now
+            for t in self._targets:
+                page = export_layer(self.pool, layer_idx, t.slot, t.block_table, t.num_tokens)
+                self.sink.send_layers(t.req_id, [page])
+            return
+        computed = torch.cuda.current_stream(self.pool.device).record_event()
+        staged: list[tuple[str, LayerPages]] = []
+        with torch.cuda.stream(self.side):
+            self.side.wait_event(computed)
+            for t in self._targets:
+                page = export_layer(self.pool, layer_idx, t.slot, t.block_table, t.num_tokens)
+                host = {name: _pinned_copy(x) for name, x in page.tensors.items()}
+                staged.append((t.req_id, LayerPages(layer_idx, page.kind, host)))
+            done = self.side.record_event()
+        self._staged.append(_Staged(done, staged))
+        self._hand_over(wait_beyond=self.lag)
+
+    def finish(self, request: RequestState) -> None:
+        """The request's first token is sampled: its remaining layers, then its state, to the sink."""
+        self._hand_over(wait_beyond=0)
+        self._targets = [t for t in self._targets if t.req_id != request.req_id]
+        self.sink.finish(request)
+
+    def cancel(self, req_id: str) -> None:
+        """Drop a request (finished at its first token, aborted); waits for its copies first."""
+        self._hand_over(wait_beyond=0, skip=req_id)
+        self._targets = [t for t in self._targets if t.req_id != req_id]
+        self.sink.cancel(req_id)
+
+    def _hand_over(self, wait_beyond: int, skip: str | None = None) -> None:
+        """Give the sink every completed snapshot, in order; wait for the oldest ones while more
+        than `wait_beyond` are outstanding."""
+        while self._staged:
+            head = self._staged[0]
+            if len(self._staged) > wait_beyond:
+                head.done.synchronize()
+            elif not head.done.query():
+                return
+            self._staged.popleft()
+            for req_id, page in head.pages:
+                if req_id != skip:
+                    self.sink.send_layers(req_id, [page])
+
+
+def _pinned_copy(x: torch.Tensor) -> torch.Tensor:
+    """Device -> pinned host, asynchronous on the current (side) stream."""
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    return host

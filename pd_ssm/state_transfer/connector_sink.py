@@ -1,0 +1,98 @@
+"""ConnectorSink: the prefill side's PageSink over a Connector, one Ticket per request.
+
+The engine's LayerExporter hands over a request's layers as its forward finishes them, then its
+state after the first token. The sink routes them to the request's Ticket: a StreamingConnector
+gets each piece at once (`send_layers`), any other connector the whole request in the final
+`send`. The ticket may come later than the first layers (the prefill side starts computing before
+the decode side answered); layers wait here until it does, and a request finished before its
+ticket came is sent when the ticket arrives.
+
+A ticket that expired before a piece could leave fails the request here (`take_failed`) and
+aborts it on the connector: no exception reaches the engine's step loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pd_ssm.cache.pages import LayerPages, RequestState, StatePages
+from pd_ssm.state_transfer.base import Connector, StreamingConnector, Ticket
+
+
+class ConnectorSink:
+    def __init__(self, connector: Connector) -> None:
+        self.connector = connector
+        self.streams = isinstance(connector, StreamingConnector)
+        self._tickets: dict[str, Ticket] = {}
+        self._held: dict[str, list[LayerPages]] = {}  # layers not handed to the connector yet
+        self._done: dict[str, RequestState] = {}  # finished before their ticket came
+        self._failed: dict[str, str] = {}  # reported by take_failed
+        self._dead: set[str] = set()  # failed: their later pieces are dropped until finish / cancel
+
+    def expect(self, ticket: Ticket) -> None:
+        """The decode side's ticket for a request: what waited for it goes out now."""
+        req_id = ticket.req_id
+        if req_id in self._tickets:
+            raise ValueError(f"request {req_id!r} already has a ticket (slot {self._tickets[req_id].slot})")
+        self._tickets[req_id] = ticket
+        if self.streams and self._held.get(req_id):
+            self._guard(req_id, lambda: self._stream(ticket, self._held.pop(req_id)))
+        state = self._done.pop(req_id, None)
+        if state is not None:
+            self.finish(state)
+
+    def send_layers(self, req_id: str, layers: list[LayerPages]) -> None:
+        ticket = self._tickets.get(req_id)
+        if req_id in self._dead:
+            return
+        if ticket is None or not self.streams:
+            self._held.setdefault(req_id, []).extend(layers)
+            return
+        self._guard(req_id, lambda: self._stream(ticket, layers))
+
+    def finish(self, request: RequestState) -> None:
+        req_id = request.req_id
+        if req_id in self._dead:
+            self._dead.discard(req_id)  # its last call: nothing more will come for it
+            return
+        ticket = self._tickets.get(req_id)
+        if ticket is None:
+            self._done[req_id] = request
+            return
+        del self._tickets[req_id]
+        layers = {p.layer_idx: p for p in self._held.pop(req_id, [])}
+        self._guard(req_id, lambda: self.connector.send(StatePages(request, layers), ticket))
+        self._dead.discard(req_id)  # its last call either way
+
+    def cancel(self, req_id: str) -> None:
+        self._forget(req_id)
+        self._dead.discard(req_id)
+        self.connector.abort(req_id)
+
+    def take_failed(self) -> dict[str, str]:
+        """Requests whose ticket expired before their pages could leave, since the last call."""
+        failed, self._failed = self._failed, {}
+        return failed
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests holding layers or a finished state here (waiting for a ticket or their end)."""
+        return len(self._held.keys() | self._done.keys())
+
+    def _stream(self, ticket: Ticket, layers: list[LayerPages]) -> None:
+        assert isinstance(self.connector, StreamingConnector)
+        self.connector.send_layers(ticket, layers)
+
+    def _guard(self, req_id: str, send: Callable[[], None]) -> None:
+        try:
+            send()
+        except ValueError as e:  # expired ticket: the decode side has let the place go
+            self._forget(req_id)
+            self._dead.add(req_id)
+            self._failed[req_id] = str(e)
+            self.connector.abort(req_id)
+
+    def _forget(self, req_id: str) -> None:
+        self._tickets.pop(req_id, None)
+        self._held.pop(req_id, None)
+        self._done.pop(req_id, None)

@@ -1,0 +1,224 @@
+"""Layer-wise streaming from a prefill engine: each layer's pages leave as the forward finishes it.
+
+Engine A (prefill role: `stream_prefills_to`) ships through a ConnectorSink into a real
+ZmqConnector; engine B reserves first, imports what arrives and decodes. Tokens must equal a
+colocated engine's (greedy and seeded, pure Mamba2 and hybrids), the streamed pages must equal a
+whole-request export bit for bit, and requests that end early give every page back on both sides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pd_ssm import LLM, SamplingParams
+from pd_ssm.cache.pages import LayerPages, RequestState, StatePages
+from pd_ssm.engine.engine import Engine
+from pd_ssm.state_transfer.base import Ticket
+from pd_ssm.state_transfer.connector_sink import ConnectorSink
+from pd_ssm.state_transfer.reservations import ReservationTable
+from pd_ssm.state_transfer.zmq_connector import ZmqConfig, ZmqConnector
+from tests.conftest import needs_cuda, random_prompts
+from tests.state_transfer.test_engine_transfer import (
+    TOKEN,
+    VOCAB,
+    assert_clean,
+    colocated,
+    engine,
+    params_for,
+    prefill,
+    recv_all,
+    run_to_end,
+)
+
+MODELS = ["mamba2-g1", "bamba-attn-middle", "nemotron-h"]
+
+
+class RecordingSink:
+    """A PageSink that keeps every call, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, Any]] = []
+
+    def send_layers(self, req_id: str, layers: list[LayerPages]) -> None:
+        self.calls.append(("layers", req_id, layers))
+
+    def finish(self, request: RequestState) -> None:
+        self.calls.append(("finish", request.req_id, request))
+
+    def cancel(self, req_id: str) -> None:
+        self.calls.append(("cancel", req_id, None))
+
+    def pages(self, req_id: str) -> StatePages:
+        (state,) = [c[2] for c in self.calls if c[:2] == ("finish", req_id)]
+        layers = {p.layer_idx: p for c in self.calls if c[:2] == ("layers", req_id) for p in c[2]}
+        return StatePages(state, dict(sorted(layers.items())))
+
+
+@pytest.fixture
+def table() -> ReservationTable:
+    return ReservationTable(ttl=30.0, token=TOKEN)
+
+
+@pytest.fixture
+def rx(table: ReservationTable) -> Iterator[ZmqConnector]:
+    with ZmqConnector(ZmqConfig(TOKEN), bind="tcp://127.0.0.1:0", reservations=table) as c:
+        yield c
+
+
+@pytest.fixture
+def tx() -> Iterator[ZmqConnector]:
+    with ZmqConnector(ZmqConfig(TOKEN, send_timeout=5.0)) as c:
+        yield c
+
+
+def prefill_streaming(src: Engine, prompts: dict[str, list[int]], params: SamplingParams) -> None:
+    """Step the prefill engine until every request has left it (shipped or finished)."""
+    for rid, prompt in prompts.items():
+        src.add_request(prompt, params, request_id=rid)
+    while src.has_unfinished():
+        src.step()
+
+
+def engine_on(path: Path, device: str) -> Engine:
+    if device == "cpu":
+        return engine(path)
+    # eager: the GPU path of the exporter (side stream, pinned staging) is what is under test
+    return LLM(model=str(path), device=device, enforce_eager=True, max_num_seqs=8, max_num_batched_tokens=24,
+               block_size=4, num_kv_blocks=64, gpu_memory_utilization=0.3).engine
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("name", MODELS)
+def test_streamed_pages_equal_a_whole_export(name: str, device: str, hf_checkpoint: Any) -> None:
+    path, _ = hf_checkpoint(name)
+    params = params_for("seeded")
+    prompts = dict(zip(["a", "b", "c"], random_prompts(VOCAB, [37, 5, 22], seed=3), strict=True))
+    whole = prefill(engine_on(path, device), prompts, params)
+    src, sink = engine_on(path, device), RecordingSink()
+    exporter = src.stream_prefills_to(sink)
+    prefill_streaming(src, prompts, params)
+    assert_clean(src)
+    cache_layers = sorted(exporter.cache_layers)
+    for rid in prompts:
+        got = sink.pages(rid)
+        assert got.request == whole[rid].request and sorted(got.layers) == sorted(whole[rid].layers) == cache_layers
+        for idx, page in whole[rid].layers.items():
+            assert got.layers[idx].kind == page.kind
+            for tname, t in page.tensors.items():
+                other = got.layers[idx].tensors[tname]
+                assert other.device.type == "cpu" and other.dtype == t.dtype
+                assert torch.equal(other.view(torch.uint8), t.cpu().view(torch.uint8))
+        # one call per layer, in model order, all before the request's final call
+        mine = [(kind, payload) for kind, r, payload in sink.calls if r == rid]
+        assert [p[0].layer_idx for k, p in mine if k == "layers"] == cache_layers
+        assert [k for k, _ in mine][-1] == "finish" and [k for k, _ in mine].count("finish") == 1
+
+
+def test_layers_leave_during_the_forward(hf_checkpoint: Any) -> None:
+    """Each layer reaches the sink before the next decoder layer runs, not after the step."""
+    path, _ = hf_checkpoint("nemotron-h")
+    src, sink = engine(path), RecordingSink()
+    src.stream_prefills_to(sink)
+    seen: list[int] = []
+    for i, layer in enumerate(src.model.backbone.layers):  # type: ignore[union-attr]
+        layer.register_forward_pre_hook(lambda *_, i=i: seen.append(len([c for c in sink.calls if c[0] == "layers"])))
+    src.add_request(random_prompts(VOCAB, [9], seed=1)[0], params_for("greedy"), request_id="x")
+    src.step()
+    # nemotron-h: mamba, attention, mlp, mamba, mlp -> pages of 0 and 1 out before layer 2 starts
+    assert seen == [0, 1, 2, 2, 3] and [c[0] for c in sink.calls][-1] == "finish"
+
+
+def disaggregated(
+    src: Engine, dst: Engine, rx: ZmqConnector, tx: ZmqConnector, table: ReservationTable,
+    prompts: dict[str, list[int]], params: SamplingParams, late: frozenset[str] = frozenset(),
+) -> dict[str, list[int]]:
+    """Reserve on dst, stream from src (tickets of `late` requests given only after their prefill)."""
+    assert rx.address is not None
+    sink = ConnectorSink(tx)
+    src.stream_prefills_to(sink)
+    tickets: dict[str, Ticket] = {}
+    for rid, prompt in prompts.items():
+        slot, blocks = dst.reserve(rid, len(prompt) + 1)
+        tickets[rid] = table.reserve(rid, rx.address, slot, blocks)
+        if rid not in late:
+            sink.expect(tickets[rid])
+    prefill_streaming(src, prompts, params)
+    assert sink.num_waiting == len(late)
+    for rid in late:
+        sink.expect(tickets[rid])
+    assert sink.num_waiting == 0
+    got = recv_all(rx, tx, len(prompts), timeout=10.0)
+    assert sorted(got) == sorted(prompts)
+    for pages in got.values():
+        dst.import_reserved(pages)
+    assert tx.flush(2.0) and tx.get_finished()[0] == set(prompts) and tx.get_failed() == {}
+    assert len(table) == 0 and sink.take_failed() == {}
+    done = run_to_end(dst)
+    assert_clean(src)
+    assert_clean(dst)
+    return done
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_streamed_disaggregation_matches_colocated(
+    name: str, sampling: str, hf_checkpoint: Any, rx: ZmqConnector, tx: ZmqConnector, table: ReservationTable
+) -> None:
+    path, _ = hf_checkpoint(name)
+    params = params_for(sampling)
+    prompts = random_prompts(VOCAB, [37, 3, 19, 26, 1], seed=12)
+    reference = colocated(path, prompts, params)
+    ids = {f"s{i}": p for i, p in enumerate(prompts)}
+    done = disaggregated(engine(path), engine(path), rx, tx, table, ids, params, late=frozenset({"s2"}))
+    assert [done[rid] for rid in ids] == reference
+
+
+def test_request_done_at_its_first_token_releases_both_sides(
+    hf_checkpoint: Any, rx: ZmqConnector, tx: ZmqConnector, table: ReservationTable
+) -> None:
+    """max_tokens=1: the prefill side has streamed its layers, then cancels; the decode side gets
+    the sender's abort and frees the reservation."""
+    path, _ = hf_checkpoint("bamba-attn-middle")
+    src, dst = engine(path), engine(path)
+    assert rx.address is not None
+    sink = ConnectorSink(tx)
+    src.stream_prefills_to(sink)
+    prompt = random_prompts(VOCAB, [30], seed=4)[0]
+    slot, blocks = dst.reserve("one", len(prompt) + 1)
+    sink.expect(table.reserve("one", rx.address, slot, blocks))
+    src.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), request_id="one")
+    outs = []
+    while src.has_unfinished():  # two chunks: the first streams nothing
+        outs += src.step()
+    assert [o.finished for o in outs] == [True]
+    failed: dict[str, str] = {}
+    for _ in range(100):
+        tx.flush(0)
+        assert rx.recv(timeout=0.02) is None
+        failed.update(rx.get_failed())
+        if failed:
+            break
+    assert "aborted by the sender" in failed["one"] and len(table) == 0
+    dst.cancel_reservation("one")
+    assert_clean(src)
+    assert_clean(dst)
+    assert sink.num_waiting == 0
+
+
+def test_expired_ticket_fails_in_the_sink_not_the_engine(hf_checkpoint: Any, tx: ZmqConnector) -> None:
+    path, _ = hf_checkpoint("mamba2-g1")
+    src = engine(path)
+    sink = ConnectorSink(tx)
+    src.stream_prefills_to(sink)
+    sink.expect(Ticket("old", "tcp://127.0.0.1:9", 0, [], expiry=0.0, token=TOKEN))
+    src.add_request(random_prompts(VOCAB, [20], seed=6)[0], params_for("greedy"), request_id="old")
+    prefill_streaming(src, {}, params_for("greedy"))
+    failed = sink.take_failed()
+    assert list(failed) == ["old"] and "expired" in failed["old"]
+    assert sink.num_waiting == 0 and tx.get_failed() == {}
+    assert_clean(src)
