@@ -26,11 +26,10 @@ from pd_ssm.router.policies import make_policy
 from pd_ssm.router.prompts import PromptBuilder, PromptError
 from pd_ssm.router.responses import (
     DONE,
+    ChatShape,
+    CompletionShape,
     ResponseMeta,
-    chat_body,
-    chat_chunk,
-    completion_body,
-    completion_chunk,
+    ResponseShape,
     sse,
     usage_chunk,
 )
@@ -160,25 +159,7 @@ def create_app(router: Router) -> FastAPI:
         except ValueError as e:
             raise APIError(400, f"prompt: {e}", "prompt") from e
         params = router.params(body, ids, body.max_tokens, "prompt")
-        sub = router.dispatcher.submit(ids, params, "cmpl")
-        meta = ResponseMeta.new(sub.stream.req_id, name)
-        with_ids = body.return_token_ids
-        if not body.stream:
-            done = await _collect(request, router, sub)
-            return JSONResponse(completion_body(meta, done, ids, with_ids))
-
-        async def chunks() -> AsyncIterator[str]:
-            first = True
-            async for d in router.dispatcher.deltas(sub):
-                if d.text or d.finished or (with_ids and d.token_ids):
-                    yield sse(completion_chunk(meta, d.text, finish_reason=d.finish_reason, stop_reason=d.stop_reason,
-                                               token_ids=d.token_ids if with_ids else None,
-                                               prompt_ids=ids if with_ids and first else None))
-                    first = False
-                if d.finished and body.include_usage:
-                    yield sse(usage_chunk(meta, "text_completion", d.prompt_tokens, d.completion_tokens))
-
-        return _stream(request, router, sub, chunks())
+        return await _generate(request, router, body, ids, params, CompletionShape())
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authenticate)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -190,23 +171,31 @@ def create_app(router: Router) -> FastAPI:
         except PromptError as e:
             raise APIError(400, str(e), e.param) from e
         params = router.params(body, ids, body.requested_max_tokens, "messages")
-        sub = router.dispatcher.submit(ids, params, "chatcmpl")
-        meta = ResponseMeta.new(sub.stream.req_id, name)
-        with_ids = body.return_token_ids
-        if not body.stream:
-            done = await _collect(request, router, sub)
-            return JSONResponse(chat_body(meta, done, ids, with_ids))
-
-        async def chunks() -> AsyncIterator[str]:
-            yield sse(chat_chunk(meta, {"role": "assistant", "content": ""}))
-            async for d in router.dispatcher.deltas(sub):
-                if d.text or d.finished or (with_ids and d.token_ids):
-                    delta = {"content": d.text} if d.text else {}
-                    yield sse(chat_chunk(meta, delta, finish_reason=d.finish_reason, stop_reason=d.stop_reason,
-                                         token_ids=d.token_ids if with_ids else None))
-                if d.finished and body.include_usage:
-                    yield sse(usage_chunk(meta, "chat.completion.chunk", d.prompt_tokens, d.completion_tokens))
-
-        return _stream(request, router, sub, chunks())
+        return await _generate(request, router, body, ids, params, ChatShape())
 
     return app
+
+
+async def _generate(request: Request, router: Router, body: _GenerationRequest, ids: list[int],
+                    params: SamplingParams, shape: ResponseShape) -> Response:
+    """Dispatch a validated request; answer with one body or an SSE stream in `shape`."""
+    sub = router.dispatcher.submit(ids, params, shape.prefix)
+    meta = ResponseMeta.new(sub.stream.req_id, router.config.served_model_name)
+    with_ids = body.return_token_ids
+    if not body.stream:
+        return JSONResponse(shape.body(meta, await _collect(request, router, sub), ids, with_ids))
+
+    async def chunks() -> AsyncIterator[str]:
+        for chunk in shape.opening(meta):
+            yield sse(chunk)
+        first = True
+        async for d in router.dispatcher.deltas(sub):
+            # a delta whose text is held back (a stop string may be forming) shows only with token ids
+            if d.text or d.finished or (with_ids and d.token_ids):
+                for chunk in shape.chunks(meta, d, ids if first else None, with_ids):
+                    yield sse(chunk)
+                first = False
+            if d.finished and body.include_usage:
+                yield sse(usage_chunk(meta, shape.chunk_object, d.prompt_tokens, d.completion_tokens))
+
+    return _stream(request, router, sub, chunks())

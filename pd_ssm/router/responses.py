@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+from pd_ssm.control.messages import TokenDelta
 from pd_ssm.router.dispatch import Completion
 
 DONE = "data: [DONE]\n\n"
@@ -93,3 +95,52 @@ def chat_chunk(meta: ResponseMeta, delta: dict[str, Any], *, finish_reason: str 
 def usage_chunk(meta: ResponseMeta, obj: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     return {"id": meta.id, "object": obj, "created": meta.created, "model": meta.model, "choices": [],
             "usage": usage(prompt_tokens, completion_tokens)}
+
+
+class ResponseShape(ABC):
+    """How one endpoint answers: its id prefix, its whole-body and chunk shapes."""
+
+    prefix: str  # of response ids: "cmpl" / "chatcmpl"
+    chunk_object: str
+
+    @abstractmethod
+    def body(self, meta: ResponseMeta, done: Completion, prompt_ids: list[int], with_ids: bool) -> dict[str, Any]:
+        """The non-streamed response."""
+
+    @abstractmethod
+    def chunks(self, meta: ResponseMeta, delta: TokenDelta, prompt_ids: list[int] | None,
+               with_ids: bool) -> list[dict[str, Any]]:
+        """The SSE chunks for one delta; `prompt_ids` is given with the first delta only."""
+
+    def opening(self, meta: ResponseMeta) -> list[dict[str, Any]]:
+        """Chunks sent before the first delta."""
+        return []
+
+
+class CompletionShape(ResponseShape):
+    prefix, chunk_object = "cmpl", "text_completion"
+
+    def body(self, meta: ResponseMeta, done: Completion, prompt_ids: list[int], with_ids: bool) -> dict[str, Any]:
+        return completion_body(meta, done, prompt_ids, with_ids)
+
+    def chunks(self, meta: ResponseMeta, delta: TokenDelta, prompt_ids: list[int] | None,
+               with_ids: bool) -> list[dict[str, Any]]:
+        return [completion_chunk(meta, delta.text, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                                 token_ids=delta.token_ids if with_ids else None,
+                                 prompt_ids=prompt_ids if with_ids else None)]
+
+
+class ChatShape(ResponseShape):
+    prefix, chunk_object = "chatcmpl", "chat.completion.chunk"
+
+    def body(self, meta: ResponseMeta, done: Completion, prompt_ids: list[int], with_ids: bool) -> dict[str, Any]:
+        return chat_body(meta, done, prompt_ids, with_ids)
+
+    def chunks(self, meta: ResponseMeta, delta: TokenDelta, prompt_ids: list[int] | None,
+               with_ids: bool) -> list[dict[str, Any]]:
+        content = {"content": delta.text} if delta.text else {}
+        return [chat_chunk(meta, content, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                           token_ids=delta.token_ids if with_ids else None)]
+
+    def opening(self, meta: ResponseMeta) -> list[dict[str, Any]]:
+        return [chat_chunk(meta, {"role": "assistant", "content": ""})]
