@@ -139,6 +139,17 @@ def test_stop_string_and_stop_token_ids_end_the_request(client: openai.OpenAI, r
     assert choice.model_extra["stop_reason"] == stop_id
     assert choice.model_extra["token_ids"] == free.token_ids[: free.token_ids.index(stop_id) + 1]
 
+    # a stop string: a piece of the free run's text; the text is cut before its first occurrence
+    starts = [i for i in range(2, len(free.text) - 2) if "\ufffd" not in free.text[i:i + 2]]
+    if not starts:
+        pytest.skip(f"the free run's text {free.text!r} has no clean two-character piece")
+    stop = free.text[(k := rng.choice(starts)):k + 2]
+    r = client.completions.create(model=model_name, prompt=prompt, max_tokens=24, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == stop
+    assert r.choices[0].text == free.text[: free.text.index(stop)]
+
 
 def test_openai_client_sees_errors(client: openai.OpenAI, api_server: Any, model_name: str) -> None:
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
