@@ -27,6 +27,7 @@ from pd_ssm.kernels.attention import (
     write_kv_cache_ref,
 )
 from pd_ssm.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
+from pd_ssm.kernels.linear import linear_ref
 from pd_ssm.kernels.rmsnorm import AddNormOutput, add_rms_norm_ref, rms_norm_gated_ref, rms_norm_ref
 from pd_ssm.kernels.ssd import ScanOutput, mamba_chunk_scan_varlen_ref
 from pd_ssm.kernels.ssu import selective_state_update_ref
@@ -53,6 +54,7 @@ class Kernels:
     write_kv_cache: Callable[..., None]
     varlen_prefill_attention: Callable[..., Tensor]
     paged_decode_attention: Callable[..., Tensor]
+    linear: Callable[..., Tensor]
 
 
 KERNEL_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Kernels) if f.name != "backend")
@@ -68,6 +70,7 @@ _TORCH_KERNELS: Mapping[str, Callable[..., Any]] = MappingProxyType({
     "write_kv_cache": write_kv_cache_ref,
     "varlen_prefill_attention": varlen_prefill_attention_ref,
     "paged_decode_attention": paged_decode_attention_ref,
+    "linear": linear_ref,
 })
 
 def _triton_kernels() -> dict[str, Callable[..., Any]]:
@@ -79,6 +82,7 @@ def _triton_kernels() -> dict[str, Callable[..., Any]]:
     )
     from pd_ssm.kernels.conv1d_triton import causal_conv1d_update_triton, causal_conv1d_varlen_triton
     from pd_ssm.kernels.rmsnorm_triton import add_rms_norm_triton, rms_norm_gated_triton, rms_norm_triton
+    from pd_ssm.kernels.skinny_linear_triton import linear_triton
     from pd_ssm.kernels.ssd_triton import mamba_chunk_scan_varlen_triton
     from pd_ssm.kernels.ssu_triton import selective_state_update_triton
 
@@ -93,6 +97,7 @@ def _triton_kernels() -> dict[str, Callable[..., Any]]:
         "write_kv_cache": write_kv_cache_triton,
         "varlen_prefill_attention": varlen_prefill_attention_triton,
         "paged_decode_attention": paged_decode_attention_triton,
+        "linear": linear_triton,
     }
 
 
@@ -152,3 +157,4 @@ add_rms_norm = _routed("add_rms_norm", add_rms_norm_ref)
 write_kv_cache = _routed("write_kv_cache", write_kv_cache_ref)
 varlen_prefill_attention = _routed("varlen_prefill_attention", varlen_prefill_attention_ref)
 paged_decode_attention = _routed("paged_decode_attention", paged_decode_attention_ref)
+linear = _routed("linear", linear_ref)

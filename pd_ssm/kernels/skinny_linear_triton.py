@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pd_ssm.kernels.linear import linear_ref
+
 MAX_ROWS = 256  # more rows than this: a real GEMM (cuBLAS) is the better tool
 
 
@@ -33,9 +35,15 @@ class LinearTile(NamedTuple):
     num_stages: int
 
 
-# NOTE: placeholders until measured (benchmarks/linear_gpu.py sweeps them on the GPU)
-FMA_TILE = LinearTile(16, 256, 4, 4)
+# NOTE: the fastest of benchmarks/linear_gpu.py's sweep on an H200 (RESULTS.md, 2026-11-30): one row,
+# in_proj [10576 x 2560] 14.7 us (3.69 TB/s, cuBLAS 15.8 us) and out_proj [2560 x 5120] 8.5 us
+# (3.09 TB/s, cuBLAS 11.0 us); narrow outputs want narrower tiles (more programs than SMs)
+FMA_TILE = LinearTile(16, 256, 4, 3)
+FMA_TILE_NARROW = LinearTile(8, 512, 4, 4)  # N <= 4096
+# NOTE: at 32 and 128 rows the DOT path lost to cuBLAS (0.66-0.95x, too few programs without split-K),
+# so `linear_triton` keeps cuBLAS there; the path stays for the sweep and the tests
 DOT_TILE = LinearTile(32, 128, 4, 4)
+FMA_MAX_ROWS = 8
 
 
 def skinny_linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -131,8 +139,8 @@ def skinny_linear_triton(
         raise ValueError(f"skinny_linear: bias must be [{N}], got {tuple(bias.shape)}")
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)  # [M, N]
     interpreted = not x.is_cuda
-    if M <= 8:
-        t = tile or FMA_TILE
+    if M <= FMA_MAX_ROWS:
+        t = tile or (FMA_TILE_NARROW if N <= 4096 else FMA_TILE)
         _skinny_fma_kernel[(triton.cdiv(N, t.block_n), M)](
             x, weight, bias, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, BLOCK_N=t.block_n, BLOCK_K=t.block_k, NUM_STAGES=t.num_stages,
@@ -147,3 +155,13 @@ def skinny_linear_triton(
             NUM_STAGES=t.num_stages, INTERPRETED=interpreted, num_warps=t.num_warps,
         )
     return y
+
+
+def linear_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The model's linear layers on the Triton backend: the weight-streaming kernel where it was
+    measured faster than cuBLAS (bf16 / fp16 on CUDA, at most FMA_MAX_ROWS rows: decode steps of
+    small batches), torch's F.linear (cuBLAS) everywhere else.  x [M, K], weight [N, K]."""
+    if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FMA_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) \
+            and weight.dtype == x.dtype and x.stride(1) == 1 and weight.stride(1) == 1:
+        return skinny_linear_triton(x, weight, bias)
+    return linear_ref(x, weight, bias)

@@ -34,3 +34,14 @@ def test_bad_shapes_are_refused() -> None:
         skinny_linear_triton(torch.randn(300, 8), torch.randn(5, 8))
     with pytest.raises(ValueError, match="bias"):
         skinny_linear_triton(x, torch.randn(5, 8), torch.randn(4))
+
+
+def test_linear_triton_routes_by_rows_and_dtype() -> None:
+    """cuBLAS (F.linear) off CUDA, for fp32, and past FMA_MAX_ROWS; the results agree either way."""
+    from pd_ssm.kernels.skinny_linear_triton import FMA_MAX_ROWS, linear_triton
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(24, 40, generator=g).to(DEVICE)
+    for rows in (1, FMA_MAX_ROWS, FMA_MAX_ROWS + 1):
+        x = torch.randn(rows, 40, generator=g).to(DEVICE)
+        torch.testing.assert_close(linear_triton(x, w), torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)
