@@ -94,6 +94,36 @@ def _add_bench_engine(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_bench_engine)
 
 
+def _add_bench_transfer(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("transfer", help="state-transfer connectors vs raw socket / send-recv in the same run (CPU or CUDA)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: NCCL between cuda:0 and cuda:1")
+    p.add_argument("--connectors", default="zmq,nccl,stream", help="comma-separated: zmq, nccl, stream")
+    p.add_argument("--pages", default="mamba2,hybrid", help="comma-separated: mamba2, hybrid")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="SSM state dtypes, comma-separated")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--stream-model", default=None, help="default: Mamba2-2.7B shape (dummy) on CUDA, tiny on CPU")
+    p.add_argument("--stream-tokens", type=int, default=2048)
+    p.add_argument("--tiny", action="store_true", help="tiny page shapes (smoke tests)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write every figure to FILE")
+    p.set_defaults(func=_bench_transfer)
+
+
+def _bench_transfer(args: argparse.Namespace) -> int:
+    from pd_ssm.bench.transfer import PageShape, TransferBenchOptions, format_table, run_transfer_bench, write_json
+
+    opts = TransferBenchOptions(
+        connectors=args.connectors.split(","), kinds=args.pages.split(","), dtypes=args.dtypes.split(","),
+        shape=PageShape.tiny() if args.tiny else PageShape(), repeats=args.repeats, device=args.device,
+        stream_model=args.stream_model, stream_tokens=args.stream_tokens,
+    )
+    result = run_transfer_bench(opts, on_row=lambda r: print(f"[bench] {r['connector']} {r['pages']} {r['state_dtype']}: "
+                                                             f"{r['gbps']:.2f} GB/s ({r['ratio']:.2f}x baseline)", file=sys.stderr, flush=True))
+    print(format_table(result))
+    if args.json:
+        write_json(result, args.json)
+    return 0
+
+
 def _add_bench_kernels(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser("kernels", help="every kernel at Mamba2-2.7B shapes vs the ceilings and mamba_ssm (CUDA)")
     p.add_argument("--json", default=None, metavar="FILE", help="write every figure to FILE")
@@ -154,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks on a CUDA device").add_subparsers(dest="bench", required=True)
     _add_bench_engine(bench)
     _add_bench_kernels(bench)
+    _add_bench_transfer(bench)
     from pd_ssm.orchestrator.serve_cli import add_serve_parser
 
     add_serve_parser(sub)
