@@ -109,18 +109,19 @@ def _add_bench_transfer(bench: argparse._SubParsersAction) -> None:
 
 
 def _bench_transfer(args: argparse.Namespace) -> int:
-    from pd_ssm.bench.transfer import PageShape, TransferBenchOptions, format_table, run_transfer_bench, write_json
+    from pd_ssm.bench import transfer
 
-    opts = TransferBenchOptions(
+    opts = transfer.TransferBenchOptions(
         connectors=args.connectors.split(","), kinds=args.pages.split(","), dtypes=args.dtypes.split(","),
-        shape=PageShape.tiny() if args.tiny else PageShape(), repeats=args.repeats, device=args.device,
+        shape=transfer.PageShape.tiny() if args.tiny else transfer.PageShape(), repeats=args.repeats, device=args.device,
         stream_model=args.stream_model, stream_tokens=args.stream_tokens,
     )
-    result = run_transfer_bench(opts, on_row=lambda r: print(f"[bench] {r['connector']} {r['pages']} {r['state_dtype']}: "
-                                                             f"{r['gbps']:.2f} GB/s ({r['ratio']:.2f}x baseline)", file=sys.stderr, flush=True))
-    print(format_table(result))
+    result = transfer.run_transfer_bench(opts, on_row=lambda r: print(
+        f"[bench] {r['connector']} {r['pages']} {r['state_dtype']}: {r['gbps']:.2f} GB/s ({r['ratio']:.2f}x baseline)",
+        file=sys.stderr, flush=True))
+    print(transfer.format_table(result))
     if args.json:
-        write_json(result, args.json)
+        transfer.write_json(result, args.json)
     return 0
 
 

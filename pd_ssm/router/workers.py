@@ -184,14 +184,18 @@ class WorkerPool:
             return
         log.error("worker %s is dead: %s", worker_id, reason)
         w.status, w.error = WorkerStatus.DEAD, reason
-        for req_id in list(w.inflight):
-            stream = self.streams.get(req_id)
-            if stream is not None:
-                stream.queue.put_nowait(StreamFailure(f"worker {worker_id} failed: {reason}"))
-                self._end(stream)
+        self._fail_inflight(w, f"worker {worker_id} failed: {reason}")
         if w.push is not None:
             w.push.close()
             w.push = None
+
+    def _fail_inflight(self, w: WorkerHandle, message: str) -> None:
+        for req_id in list(w.inflight):
+            stream = self.streams.get(req_id)
+            if stream is not None:
+                stream.queue.put_nowait(StreamFailure(message))
+                self._end(stream)
+        w.inflight.clear()
 
     # --- receiving -------------------------------------------------------------------------
     async def _recv_loop(self) -> None:
@@ -230,6 +234,8 @@ class WorkerPool:
 
     def _hello(self, msg: WorkerHello) -> WorkerHandle:
         w = self.workers.setdefault(msg.worker_id, WorkerHandle(msg.worker_id))
+        # a hello from a known worker is a new process under the old id: what the old one ran is lost
+        self._fail_inflight(w, f"worker {msg.worker_id} restarted (pid {msg.pid}); its requests were lost")
         if w.push is not None:
             w.push.close()
         w.address, w.pid, w.max_model_len, w.error = msg.address, msg.pid, msg.max_model_len, None
