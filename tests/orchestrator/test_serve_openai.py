@@ -159,3 +159,26 @@ def test_openai_client_sees_errors(client: openai.OpenAI, api_server: Any, model
     bad = openai.OpenAI(base_url=api_server.url + "/v1", api_key="wrong", max_retries=0, timeout=10)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model=model_name, prompt="hi", max_tokens=4)
+
+
+def test_concurrent_streams_each_equal_llm_generate(client: openai.OpenAI, api_server: Any, reference: LLM,
+                                                    model_name: str, rng: random.Random) -> None:
+    """More streams than the worker's 8 state slots at once: queued, batched, none mixed up or lost."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(random_text(rng), rng.randint(3, 8), rng.randrange(1 << 31)) for _ in range(rng.randint(12, 16))]
+
+    def run(job: tuple[str, int, int]) -> list[int]:
+        prompt, n, seed = job
+        chunks = client.completions.create(model=model_name, prompt=prompt, max_tokens=n, stream=True, seed=seed,
+                                           temperature=1.0, extra_body={"return_token_ids": True, "ignore_eos": True})
+        return [t for c in chunks for t in c.choices[0].model_extra["token_ids"]]
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(run, jobs))
+    want = reference.generate([p for p, _, _ in jobs], [SamplingParams(max_tokens=n, seed=s, ignore_eos=True)
+                                                        for _, n, s in jobs])
+    assert got == [w.outputs[0].token_ids for w in want]
+    assert api_server.metric("pd_ssm_state_slots_used", "w0") == 0.0
+    assert api_server.metric("pd_ssm_kv_blocks_used", "w0") == 0.0
+    assert api_server.metric("pd_ssm_pool_invariant_ok", "w0") == 1.0
