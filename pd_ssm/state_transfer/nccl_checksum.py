@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import zlib
 
+import numpy as np
 import torch
 
 BLOCK = 4096  # bytes; also the alignment of every tensor in the coalesced buffer
@@ -45,8 +46,12 @@ def block_sums(buf: torch.Tensor) -> bytes:
     if buf.numel() == 0:
         return b""
     words = buf.view(torch.int32).view(-1, _WORDS)  # [blocks, 1024]
-    sums = words.sum(dim=1, dtype=torch.int64)  # [blocks]; exact: |sum| < 2**41
-    return sums.cpu().numpy().astype("<i8").tobytes()
+    if buf.device.type == "cpu":
+        # numpy's integer reduction is ~10x faster than torch's on CPU; the sums are the same integers
+        sums = np.add.reduce(words.numpy(), axis=1, dtype=np.int64)  # [blocks]; exact: |sum| < 2**41
+    else:
+        sums = words.sum(dim=1, dtype=torch.int64).cpu().numpy()  # one kernel, 8 B per block to the host
+    return sums.astype("<i8").tobytes()
 
 
 def tensor_checksum(sums: bytes, offset: int, nbytes: int, header: bytes) -> int:

@@ -32,6 +32,8 @@ from pd_ssm.state_transfer.nccl_group import (
 from pd_ssm.state_transfer.nccl_message import Control, pack
 from pd_ssm.state_transfer.wire import encode_request
 
+_PROBE_TIMEOUT = 1.0  # seconds a liveness probe of the rendezvous store may take
+
 
 @dataclass(slots=True)
 class _Outgoing:
@@ -52,7 +54,7 @@ class NcclSender:
         self._ctx = ctx
         self._push: zmq.Socket | None = None
         self._group: PeerGroup | None = None
-        self._store: dist.TCPStore | None = None
+        self._probe: dist.TCPStore | None = None  # the receiver's store, with a short timeout
         self._pending: list[_Outgoing] = []  # FIFO: p2p sends complete in posting order
 
     @property
@@ -80,9 +82,11 @@ class NcclSender:
             except zmq.Again:
                 raise RuntimeError(f"receiver {address} did not take the hello within {self.config.send_timeout} s") from None
             group = PeerGroup(store, gen, SENDER_RANK, self.device, self.config.timeout)
+            # NOTE: a store client retries a lost server until its timeout: probes must not stall a dead peer's sender
+            probe = join_store(self.rendezvous, min(_PROBE_TIMEOUT, self.config.timeout))
         except (RuntimeError, ValueError) as e:  # c10d raises RuntimeError (DistStoreError) on timeouts
             raise RuntimeError(f"pairing with the receiver at {self.rendezvous} failed: {e}") from e
-        self.address, self._group, self._store = address, group, store
+        self.address, self._group, self._probe = address, group, probe
 
     def send(self, pages: StatePages, ticket: Ticket) -> None:
         if self._group is None:
@@ -127,6 +131,8 @@ class NcclSender:
 
     def flush(self, timeout: float) -> bool:
         end = time.monotonic() + timeout
+        # NOTE: probe first: a gloo send whose receiver died before posting its recv is never
+        # failed by gloo, and a gloo wait cannot be sliced (a timed-out wait ends the Work)
         self._check_dropped()
         while self._pending and self._group is not None:
             out = self._pending[0]
@@ -135,6 +141,7 @@ class NcclSender:
                 self.lose_peer(f"p2p send failed: {why}")
                 break
             self._complete()
+        self._check_dropped()  # and after: the receiver may have dropped what it just read
         return not self._pending
 
     def reap(self) -> None:
@@ -155,12 +162,12 @@ class NcclSender:
 
     def _check_dropped(self) -> None:
         """One store round trip: did the receiver drop our generation (then re-pair on next send)?"""
-        if self._group is None or self._store is None:
+        if self._group is None or self._probe is None:
             return
         key = dropped_key(self._group.gen)
         try:
-            dropped = self._store.check([key])
-            reason = self._store.get(key).decode() if dropped else ""
+            dropped = self._probe.check([key])
+            reason = self._probe.get(key).decode() if dropped else ""
         except RuntimeError as e:  # the store went with its receiver
             dropped, reason = True, f"rendezvous store unreachable: {e}"
         if dropped:
@@ -180,7 +187,7 @@ class NcclSender:
         if self._group is not None:
             self._group.close()
             self._group = None
-        self._store = None
+        self._probe = None
 
     def close(self, timeout: float) -> None:
         """Wait up to `timeout` for posted sends, then drop the group and the socket."""

@@ -2,18 +2,20 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from pd_ssm.cache.pages import LayerPages, StatePages
 from pd_ssm.state_transfer.base import StreamingConnector, Ticket, TransferStats
 from pd_ssm.state_transfer.inbox import Inbox
 from pd_ssm.state_transfer.ledger import TransferLedger
 from pd_ssm.state_transfer.reservations import ReservationTable
-from pd_ssm.state_transfer.wire import Parts, encode_abort, encode_end, encode_request, layers_to_frames
+from pd_ssm.state_transfer.wire import Parts, encode_abort, encode_end, encode_page, encode_request
 
 _MAX_ABORTED = 1 << 16  # remembered aborted ids (to drop their late messages), oldest forgotten first
 
@@ -25,13 +27,19 @@ class ZmqConfig:
     sndhwm: int = 8  # messages (a whole request, or one streamed piece) ZMQ queues per peer
     rcvhwm: int = 8  # and on the receive side
     linger_ms: int = 1000  # how long close() may wait to flush accepted messages
+    # a whole request leaves in messages of about this many payload bytes, so the receiver checks
+    # one while the next is on the wire and the sender checksums the next while ZMQ sends one
+    message_bytes: int = 32 << 20
+    checksum_threads: int = 4  # frames checksummed in parallel on each side (zlib drops the GIL)
 
     def __post_init__(self) -> None:
         if not self.token:
             raise ValueError("ZmqConfig.token is empty: peers authenticate with the shared cluster token")
-        if self.send_timeout <= 0 or self.sndhwm <= 0 or self.rcvhwm <= 0 or self.linger_ms < 0:
+        positive = (self.send_timeout, self.sndhwm, self.rcvhwm, self.message_bytes, self.checksum_threads)
+        if min(positive) <= 0 or self.linger_ms < 0:
             raise ValueError(
-                f"ZmqConfig: send_timeout, sndhwm, rcvhwm must be > 0 and linger_ms >= 0: {self}"
+                "ZmqConfig: send_timeout, sndhwm, rcvhwm, message_bytes, checksum_threads must be > 0 "
+                f"and linger_ms >= 0: {self}"
             )
 
 
@@ -70,7 +78,9 @@ class ZmqConnector(StreamingConnector):
         self.reservations = reservations
         self._token = config.token.encode()
         self._ctx = zmq.Context()
+        self._pool = ThreadPoolExecutor(config.checksum_threads, thread_name_prefix="zmq-checksum")
         self._push: dict[str, zmq.Socket] = {}
+        self._monitors: dict[str, zmq.Socket] = {}  # per PUSH socket: its peer's disconnects
         self._streams: dict[str, _Stream] = {}
         self._outbox: deque[_Outgoing] = deque()
         self._in_zmq: list[_Outgoing] = []  # accepted by ZMQ, buffers not yet released
@@ -87,7 +97,7 @@ class ZmqConnector(StreamingConnector):
             pull.bind(bind)  # "tcp://host:0" binds a free port; `address` says which
             self.address = pull.getsockopt_string(zmq.LAST_ENDPOINT)
             self._pull = pull
-            self._inbox = Inbox(self._token, reservations, self.ledger)
+            self._inbox = Inbox(self._token, reservations, self.ledger, self._pool)
 
     # ------------------------------------------------------------------------------- send
 
@@ -96,7 +106,7 @@ class ZmqConnector(StreamingConnector):
         if stream.final:
             raise ValueError(f"{ticket.req_id!r}: layers sent after its final send")
         host = _to_host(layers)
-        self._enqueue(ticket.req_id, stream, layers_to_frames(ticket.req_id, host), host, last=False)
+        self._enqueue(ticket.req_id, stream, self._encode(ticket.req_id, host), host, last=False)
 
     def send(self, pages: StatePages, ticket: Ticket) -> None:
         if ticket.req_id != pages.req_id:
@@ -104,11 +114,19 @@ class ZmqConnector(StreamingConnector):
         stream = self._stream(ticket)
         if stream.final:
             raise ValueError(f"{ticket.req_id!r} was sent already (its final send came twice)")
-        host = _to_host(list(pages.layers.values()))
-        frames = [encode_request(pages.request), *layers_to_frames(pages.req_id, host)]
+        *early, host = _groups(_to_host(list(pages.layers.values())), self.config.message_bytes)
+        for group in early:
+            self._enqueue(pages.req_id, stream, self._encode(pages.req_id, group), group, last=False)
+        frames = [encode_request(pages.request), *self._encode(pages.req_id, host)]
         frames.append(encode_end(pages.req_id, stream.num_frames + len(frames)))
         stream.final = True
         self._enqueue(pages.req_id, stream, frames, host, last=True)
+
+    def _encode(self, req_id: str, layers: list[LayerPages]) -> list[Parts]:
+        """Page frames of `layers` (wire.layers_to_frames's order), checksummed in parallel."""
+        items = [(p, name) for p in sorted(layers, key=lambda p: p.layer_idx) for name in sorted(p.tensors)]
+        return list(self._pool.map(lambda it: encode_page(req_id, it[0].layer_idx, it[0].kind, it[1],
+                                                          it[0].tensors[it[1]]), items))
 
     def _stream(self, ticket: Ticket) -> _Stream:
         self._check_open()
@@ -179,6 +197,7 @@ class ZmqConnector(StreamingConnector):
                 waiting.append(out)
         # NOTE: a failed request's later messages go nowhere (earlier ones the peer drops at expiry)
         self._outbox = deque(o for o in waiting if o.req_id not in failed)
+        self._fail_disconnected()
         still: list[_Outgoing] = []
         for out in self._in_zmq:
             if not out.tracker.done:
@@ -193,6 +212,18 @@ class ZmqConnector(StreamingConnector):
                 self.ledger.sent(TransferStats(out.req_id, stream.nbytes, time.monotonic() - stream.start))
         self._in_zmq = still
 
+    def _fail_disconnected(self) -> None:
+        """A peer that went away while a message was inside ZMQ: ZMQ drops the message, which
+        releases its buffers just as a completed send does -- so fail its request here first."""
+        for address, monitor in self._monitors.items():
+            lost = False
+            while monitor.poll(0):
+                lost |= recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+            for out in self._in_zmq if lost else []:
+                if out.address == address and out.stream is not None and self._streams.get(out.req_id) is out.stream:
+                    del self._streams[out.req_id]
+                    self.ledger.fail(out.req_id, f"peer {address} disconnected while it was in flight")
+
     def _socket(self, address: str) -> zmq.Socket:
         sock = self._push.get(address)
         if sock is None:
@@ -200,6 +231,7 @@ class ZmqConnector(StreamingConnector):
             sock.setsockopt(zmq.SNDHWM, self.config.sndhwm)
             sock.setsockopt(zmq.LINGER, self.config.linger_ms)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only onto a live connection: a dead peer -> Again
+            self._monitors[address] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(address)
             self._push[address] = sock
         return sock
@@ -259,6 +291,9 @@ class ZmqConnector(StreamingConnector):
         self._outbox.clear()
         self._in_zmq.clear()
         self._streams.clear()
+        for monitor in self._monitors.values():
+            monitor.close()
+        self._monitors.clear()
         for sock in self._push.values():
             sock.close()  # LINGER bounds how long accepted messages may still flush
         self._push.clear()
@@ -266,11 +301,25 @@ class ZmqConnector(StreamingConnector):
             self._pull.close()
         if self._inbox is not None:
             self._inbox.clear()
+        self._pool.shutdown(wait=True)
         self._ctx.term()
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this ZmqConnector is closed")
+
+
+def _groups(layers: list[LayerPages], nbytes: int) -> list[list[LayerPages]]:
+    """Consecutive layers in groups of at least `nbytes` (the last may be smaller, or empty)."""
+    groups: list[list[LayerPages]] = [[]]
+    size = 0
+    for page in layers:
+        if size >= nbytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(page)
+        size += page.nbytes()
+    return groups
 
 
 def _to_host(layers: Sequence[LayerPages]) -> list[LayerPages]:

@@ -1,0 +1,243 @@
+"""A peer SIGKILLed in the middle of a transfer, for both connectors and both directions.
+
+Prefill (sender) killed: the decode side fails the request within its timeout, releases the
+reservation, and serves a new sender. Decode (receiver) killed: the sender fails the request
+within its timeouts, holds no buffer, and serves a new receiver. "Mid-transfer" is made likely
+by a request of a few hundred MB, which loopback needs well over the few ms before the kill.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+from multiprocessing.synchronize import Event
+
+import torch
+
+from pd_ssm.cache.pages import StatePages
+from pd_ssm.state_transfer.base import Connector, Ticket
+from pd_ssm.state_transfer.nccl_config import NcclConfig
+from pd_ssm.state_transfer.nccl_connector import NcclConnector
+from pd_ssm.state_transfer.reservations import ReservationTable
+from pd_ssm.state_transfer.zmq_connector import ZmqConfig, ZmqConnector
+from tests.state_transfer.test_nccl_connector import (
+    TOKEN,
+    assert_same,
+    collect,
+    free_port,
+    make_pages,
+    receiver,
+    reserve,
+    spawned,
+    ticket,
+)
+
+BIG = 6 << 20  # fp32 elements per SSM page: 2 layers x 24 MB
+SPAWN = mp.get_context("spawn")
+
+
+def _die_mid_send(tx: Connector, big: StatePages, tkt: Ticket) -> None:
+    tx.send(big, tkt)
+    time.sleep(0.005)  # the first bytes are on their way, most are not
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _nccl_sender_dies(rendezvous: str) -> None:
+    big = make_pages("big", seed=2, ssm_elems=BIG)
+    tx = NcclConnector(NcclConfig(TOKEN, rendezvous, timeout=10.0))
+    tx.send(make_pages("warm", seed=1), ticket(tx, "warm"))
+    assert tx.flush(10.0)
+    _die_mid_send(tx, big, ticket(tx, "big"))
+
+
+def _nccl_sender_after(rendezvous: str) -> None:
+    tx = NcclConnector(NcclConfig(TOKEN, rendezvous, timeout=10.0))
+    tx.send(make_pages("after", torch.bfloat16, seed=3), ticket(tx, "after"))
+    assert tx.flush(10.0) and tx.get_finished()[0] == {"after"}
+    tx.close()
+
+
+def test_nccl_sender_killed_mid_transfer() -> None:
+    table = ReservationTable(ttl=60.0, token=TOKEN)
+    reserve(table, "warm", "big", "after")
+    with receiver(table, timeout=5.0) as rx:
+        assert isinstance(rx, NcclConnector)
+        proc = SPAWN.Process(target=_nccl_sender_dies, args=(rx.rendezvous,))
+        proc.start()
+        got, failed = collect(rx, 1)
+        assert list(got) == ["warm"] and not failed
+        end = time.monotonic() + 8.0
+        while "big" not in failed and time.monotonic() < end:  # within the receiver's 5 s timeout
+            assert rx.recv(timeout=0.1) is None
+            failed.update(rx.get_failed())
+        proc.join(5.0)
+        assert proc.exitcode == -signal.SIGKILL
+        assert list(failed) == ["big"] and "peer lost mid-transfer" in failed["big"], failed
+        assert "big" not in table and not rx.paired  # released; waiting for a new sender
+        with spawned(_nccl_sender_after, rx.rendezvous):
+            got, failed = collect(rx, 1)
+        assert list(got) == ["after"] and not failed
+        assert_same(make_pages("after", torch.bfloat16, seed=3), got["after"])
+    assert len(table) == 0
+
+
+def _nccl_receiver(rendezvous: str, seen: queue.Queue[str]) -> None:
+    """Receive until killed, "after" arrived, or 15 s; report each request id ("!" if not bit-exact)."""
+    table = ReservationTable(ttl=60.0, token=TOKEN)
+    reserve(table, "warm", "big", "after")
+    rx = NcclConnector(
+        NcclConfig(TOKEN, rendezvous, timeout=5.0), bind="tcp://127.0.0.1:0", reservations=table
+    )
+    end = time.monotonic() + 15.0
+    while time.monotonic() < end:
+        p = rx.recv(timeout=0.1)
+        if p is not None:
+            exact = p.req_id != "after" or _same(make_pages("after", torch.bfloat16, seed=3), p)
+            seen.put(p.req_id if exact else "!" + p.req_id)
+            if p.req_id == "after":
+                rx.close()
+                return
+
+
+def _same(a: StatePages, b: StatePages) -> bool:
+    try:
+        assert_same(a, b)
+    except AssertionError:
+        return False
+    return True
+
+
+def test_nccl_receiver_killed_mid_transfer() -> None:
+    seen: queue.Queue[str] = SPAWN.Queue()
+    rendezvous = f"tcp://127.0.0.1:{free_port()}"
+    proc = SPAWN.Process(target=_nccl_receiver, args=(rendezvous, seen))
+    proc.start()
+    big = make_pages("big", seed=2, ssm_elems=BIG)
+    try:
+        tx = NcclConnector(NcclConfig(TOKEN, rendezvous, timeout=10.0, send_timeout=2.0))
+        tx.send(make_pages("warm", seed=1), ticket(tx, "warm"))
+        assert tx.flush(5.0) and seen.get(timeout=5.0) == "warm"
+        tx.send(big, ticket(tx, "big"))
+        time.sleep(0.005)
+        proc.kill()
+        t0 = time.monotonic()
+        tx.flush(5.0)  # True: nothing left in flight; "big" failed, not sent
+        assert time.monotonic() - t0 < 5.0 and tx.in_flight == 0 and not tx.paired
+        failed = tx.get_failed()
+        assert list(failed) == ["big"] and "peer" in failed["big"] or "pairing" in failed["big"], failed
+        assert tx.get_finished() == ({"warm"}, set())
+    finally:
+        proc.kill()
+        proc.join()
+    rendezvous = f"tcp://127.0.0.1:{free_port()}"  # a new decode worker
+    with spawned(_nccl_receiver, rendezvous, seen) as proc:
+        tx.pair(rendezvous)
+        tx.send(make_pages("after", torch.bfloat16, seed=3), ticket(tx, "after"))
+        assert tx.flush(5.0) and tx.get_finished()[0] == {"after"} and tx.get_failed() == {}
+        assert seen.get(timeout=5.0) == "after"
+    tx.close()
+
+
+# ------------------------------------------------------------------------------------ ZMQ
+
+
+def _zmq_ticket(address: str, req_id: str) -> Ticket:
+    return Ticket(req_id, address, slot=0, expiry=time.monotonic() + 60.0, token=TOKEN)
+
+
+def _zmq_sender_dies(address: str) -> None:
+    """Streams layer 0 of "big", then dies in the middle of its last (large) message."""
+    big = make_pages("big", seed=2, ssm_elems=BIG)
+    tx = ZmqConnector(ZmqConfig(TOKEN))
+    tx.send_layers(_zmq_ticket(address, "big"), [big.layers.pop(0)])
+    assert tx.flush(10.0)
+    _die_mid_send(tx, big, _zmq_ticket(address, "big"))
+
+
+def _zmq_sender_after(address: str, ready: Event, go: Event) -> None:
+    ready.set()
+    assert go.wait(10.0)  # the decode side reserved "after" (its ticket is short: not while we start)
+    with ZmqConnector(ZmqConfig(TOKEN)) as tx:
+        tx.send(make_pages("after", torch.bfloat16, seed=3), _zmq_ticket(address, "after"))
+        assert tx.flush(10.0) and tx.get_finished()[0] == {"after"}
+
+
+def test_zmq_sender_killed_mid_transfer() -> None:
+    table = ReservationTable(ttl=4.0, token=TOKEN)  # the decode side's timeout for a request
+    with ZmqConnector(ZmqConfig(TOKEN), bind="tcp://127.0.0.1:0", reservations=table) as rx:
+        assert rx.address is not None
+        reserve(table, "big")
+        proc = SPAWN.Process(target=_zmq_sender_dies, args=(rx.address,))
+        proc.start()
+        proc.join(12.0)
+        assert proc.exitcode == -signal.SIGKILL
+        failed: dict[str, str] = {}
+        end = time.monotonic() + 6.0
+        while "big" not in failed and time.monotonic() < end:
+            assert rx.recv(timeout=0.1) is None  # half a request is never handed out
+            failed.update(rx.get_failed())
+        assert list(failed) == ["big"] and "expired" in failed["big"], failed
+        assert len(table) == 0  # released by the connector; nothing for the caller's expiry sweep
+        ready, go = SPAWN.Event(), SPAWN.Event()
+        with spawned(_zmq_sender_after, rx.address, ready, go):
+            assert ready.wait(15.0)
+            reserve(table, "after")
+            go.set()
+            got = None
+            end = time.monotonic() + 10.0
+            while got is None and time.monotonic() < end:
+                got = rx.recv(timeout=0.1)
+        assert got is not None and rx.get_failed() == {}
+        assert_same(make_pages("after", torch.bfloat16, seed=3), got)
+    assert len(table) == 0
+
+
+def _zmq_receiver(address: str, seen: queue.Queue[str], ready: Event) -> None:
+    """Receive until killed, "after" arrived, or 15 s; report each request id ("!" if not bit-exact)."""
+    table = ReservationTable(ttl=60.0, token=TOKEN)
+    reserve(table, "warm", "big", "after")
+    with ZmqConnector(ZmqConfig(TOKEN), bind=address, reservations=table) as rx:
+        ready.set()
+        end = time.monotonic() + 15.0
+        while time.monotonic() < end:
+            p = rx.recv(timeout=0.1)
+            if p is not None:
+                exact = p.req_id != "after" or _same(make_pages("after", torch.bfloat16, seed=3), p)
+                seen.put(p.req_id if exact else "!" + p.req_id)
+                if p.req_id == "after":
+                    return
+
+
+def test_zmq_receiver_killed_mid_transfer() -> None:
+    seen: queue.Queue[str] = SPAWN.Queue()
+    address = f"tcp://127.0.0.1:{free_port()}"
+    big = make_pages("big", seed=2, ssm_elems=BIG)
+    ready = SPAWN.Event()
+    proc = SPAWN.Process(target=_zmq_receiver, args=(address, seen, ready))
+    proc.start()
+    with ZmqConnector(ZmqConfig(TOKEN, send_timeout=2.0, linger_ms=100)) as tx:
+        try:
+            assert ready.wait(15.0)
+            tx.send(make_pages("warm", seed=1), _zmq_ticket(address, "warm"))
+            assert tx.flush(10.0) and seen.get(timeout=10.0) == "warm"
+            tx.send(big, _zmq_ticket(address, "big"))
+            time.sleep(0.005)
+            proc.kill()
+            t0 = time.monotonic()
+            assert tx.flush(5.0)  # nothing left waiting: no buffer held
+            assert time.monotonic() - t0 < 3.0
+            failed = tx.get_failed()
+            assert list(failed) == ["big"] and "disconnected" in failed["big"], failed
+            assert tx.get_finished() == ({"warm"}, set())
+        finally:
+            proc.kill()
+            proc.join()
+        ready.clear()
+        with spawned(_zmq_receiver, address, seen, ready):  # restarted at the same address: ZMQ reconnects
+            assert ready.wait(15.0)
+            tx.send(make_pages("after", torch.bfloat16, seed=3), _zmq_ticket(address, "after"))
+            assert tx.flush(10.0) and tx.get_finished()[0] == {"after"} and tx.get_failed() == {}
+            assert seen.get(timeout=10.0) == "after"
