@@ -15,7 +15,7 @@ if [ -d third_party/wheels ]; then  # mamba_ssm's Triton kernels as the baseline
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 [ -z "${SKIP_TESTS:-}" ] && timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/kernels \
-  tests/engine/test_cuda_graphs.py tests/engine/test_gpu_numerics.py tests/engine/test_memory_plan.py \
+  tests/engine/test_cuda_graphs.py tests/engine/test_prefill_graphs.py tests/engine/test_gpu_numerics.py tests/engine/test_memory_plan.py \
   tests/engine/test_bench_engine.py tests/engine/test_sampler.py 2>&1 | tail -30 > "$OUT/tests.txt"
 [ -f "$OUT/tests.txt" ] && tail -30 "$OUT/tests.txt"
 [ -n "${SKIP_BENCH:-}" ] && exit 0

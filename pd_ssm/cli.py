@@ -24,7 +24,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="dummy: random weights of the real sizes (only config.json is read)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of the GPU's memory for weights, activations, graphs and cache pools (CUDA)")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode or prefill steps)")
+    p.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
+                   help="capture CUDA graphs for decode steps only; prefill steps run eagerly")
 
 
 def llm_from_args(args: argparse.Namespace) -> Any:
@@ -45,6 +47,7 @@ def llm_from_args(args: argparse.Namespace) -> Any:
         load_format=args.load_format,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        prefill_cuda_graphs=args.prefill_cuda_graphs,
     )
 
 

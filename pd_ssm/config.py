@@ -391,6 +391,9 @@ class EngineConfig:
     # vLLM's name: True runs every step eagerly; False captures CUDA graphs for decode-only steps
     # (CUDA only; the CPU always runs eagerly)
     enforce_eager: bool = False
+    # with CUDA graphs on, also capture prefill-only steps per (tokens, sequences) bucket
+    # (engine/prefill_graphs.py); False: prefill steps run eagerly
+    prefill_cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "safetensors", "dummy"):

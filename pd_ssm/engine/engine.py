@@ -40,6 +40,7 @@ from pd_ssm.engine.memory_plan import (
     state_slot_bytes,
 )
 from pd_ssm.engine.output_processor import OutputProcessor
+from pd_ssm.engine.prefill_graphs import PrefillGraphs, prefill_buckets
 from pd_ssm.engine.prefill_manager import PrefillManager
 from pd_ssm.engine.request import Request, Status
 from pd_ssm.engine.runner import ModelRunner
@@ -91,10 +92,15 @@ class Engine:
         uses_kv = bool(mc.attention_layer_ids)
         declared = config.scheduler.max_model_len or mc.max_position_embeddings or _UNBOUNDED_LEN
         graph_sizes = capture_sizes(config.scheduler.max_num_seqs) if use_graphs else []
+        # NOTE: prefill graphs need kernels that never read device values on the host (Triton's)
+        prefill_shapes = (
+            prefill_buckets(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
+            if use_graphs and config.prefill_cuda_graphs and self.kernels.backend == "triton" else None
+        )
         cc = config.cache
         self.memory_plan: CachePlan | None = None
         if start is not None:  # CUDA: the pools take what gpu_memory_utilization leaves
-            self.memory_plan = self._plan_pools(start, declared, graph_sizes)
+            self.memory_plan = self._plan_pools(start, declared, graph_sizes, prefill_shapes is not None)
             log.info(self.memory_plan.describe())
             cc = dataclasses.replace(
                 cc, num_state_slots=self.memory_plan.num_state_slots, num_kv_blocks=self.memory_plan.num_kv_blocks
@@ -122,6 +128,13 @@ class Engine:
             )
             log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(graph_sizes), graph_sizes,
                      self.runner.graphs.capture_seconds)
+        if prefill_shapes is not None:
+            self.runner.prefill_graphs = PrefillGraphs(
+                self.model, self.pool, buckets=prefill_shapes,
+                scratch_slot=cc.num_state_slots, width=table_width(self.max_model_len, cc.block_size, uses_kv),
+            )
+            log.info("captured %d prefill CUDA graphs (tokens, sequences: %s) in %.1f s", len(prefill_shapes),
+                     prefill_shapes, self.runner.prefill_graphs.capture_seconds)
         self.tokenizer: Tokenizer = load_tokenizer(
             Path(config.model), vocab_size=mc.vocab_size, eos_token_ids=mc.eos_token_ids, bos_token_id=mc.bos_token_id
         )
@@ -134,7 +147,9 @@ class Engine:
         # prefill role (stream_prefills_to): finished prefills leave through it, not to a decode batch
         self.exporter: LayerExporter | None = None
 
-    def _plan_pools(self, start: MemorySnapshot, declared_len: int, graph_sizes: list[int]) -> CachePlan:
+    def _plan_pools(
+        self, start: MemorySnapshot, declared_len: int, graph_sizes: list[int], prefill_graphs: bool
+    ) -> CachePlan:
         """Profile the steps this engine will run, then size the pools from what is left."""
         mc, cc, sc = self.model_config, self.config.cache, self.config.scheduler
         uses_kv = bool(mc.attention_layer_ids)
@@ -144,6 +159,7 @@ class Engine:
             num_sampled_rows=sc.max_num_seqs,
             graph_size=graph_sizes[-1] if graph_sizes else 0,
             graph_width=table_width(declared_len, cc.block_size, uses_kv),
+            prefill_graphs=prefill_graphs,
         )
         return plan_pools(
             profile,

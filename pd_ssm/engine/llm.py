@@ -38,6 +38,7 @@ class LLM:
         seed: int = 0,
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
+        prefill_cuda_graphs: bool = True,
     ) -> None:
         if model is None:
             from pd_ssm.default_model import default_model_dir
@@ -52,6 +53,7 @@ class LLM:
             seed=seed,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
+            prefill_cuda_graphs=prefill_cuda_graphs,
             cache=CacheConfig(
                 num_state_slots=num_state_slots or max_num_seqs,
                 num_kv_blocks=num_kv_blocks,

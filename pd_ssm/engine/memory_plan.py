@@ -176,10 +176,13 @@ def profile_memory(
     num_sampled_rows: int,
     graph_size: int,
     graph_width: int,
+    prefill_graphs: bool = False,
 ) -> MemoryProfile:
     """Peak memory of the steps the engine will run, on a throwaway one-slot pool.
 
     graph_size: the largest captured decode batch (0: no CUDA graphs); graph_width its block tables.
+    prefill_graphs: prefill steps are captured too; their pool holds the peak of the largest prefill
+    forward for good, beside what eager steps allocate and free (counted as the prefill's peak).
     """
     mc = model.config
     device = next(model.parameters()).device
@@ -207,6 +210,8 @@ def profile_memory(
         torch.cuda.synchronize(device)
         graphs = torch.cuda.max_memory_allocated(device) - base  # static buffers included
         del buffers
+    if prefill_graphs:
+        graphs += activations
 
     free_now = torch.cuda.mem_get_info(device)[0]
     non_torch = max(0, (start.free - free_now) - (torch.cuda.memory_reserved(device) - start.reserved))

@@ -5,8 +5,10 @@ tensor; the model sees only `ForwardMeta`.  Logits are computed only for the seq
 pending tokens are all fed this step (the others are mid-prefill and sample nothing).
 
 Decode-only steps go through `graphs` (cuda_graphs.DecodeGraphs) when the engine captured them and
-the batch fits the largest bucket; steps with a prefill chunk, and every step on the CPU or with
-enforce_eager, run eagerly.  Both paths return the same logits for the same batch.
+the batch fits the largest bucket, prefill-only steps through `prefill_graphs`
+(prefill_graphs.PrefillGraphs) when a bucket holds them; steps that mix decodes and prefill chunks,
+and every step on the CPU or with enforce_eager, run eagerly.  All paths return the same logits
+for the same batch.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pd_ssm.cache.pool import CachePool
 from pd_ssm.engine.cuda_graphs import DecodeGraphs, DecodeRows
 from pd_ssm.engine.forward_meta import ForwardMeta
 from pd_ssm.engine.layer_export import LayerExporter
+from pd_ssm.engine.prefill_graphs import PrefillGraphs, VarlenRows
 from pd_ssm.engine.request import Request
 from pd_ssm.engine.sampler import Sampler
 from pd_ssm.engine.schedule_types import ScheduledSeq, SchedulerOutput
@@ -41,39 +44,46 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # set by the engine after capture (CUDA only)
         # prefill role: ships the pages of prefills that finish in a step, layer by layer (eager)
         self.layer_export: LayerExporter | None = None
+        self.prefill_graphs: PrefillGraphs | None = None  # likewise, for prefill-only steps
 
-    def build(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, ForwardMeta, list[int]]:
-        """(input_ids, positions, meta, rows to sample) for the step."""
-        seqs = sched.seqs
+    def host_rows(self, sched: SchedulerOutput) -> tuple[VarlenRows, list[int]]:
+        """Host values of the step (decodes first, then prefill chunks) and the flat rows that sample."""
         ids: list[int] = []
         positions: list[int] = []
         qsl = [0]
         ctx: list[int] = []
-        seq_lens: list[int] = []
         slots: list[int] = []
         slot_mapping: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         bs = self.cache.block_size
-        for req, n in seqs:
+        uses_kv = self.cache.uses_kv
+        for req, n in sched.seqs:
             start = req.num_computed_tokens
             ids.extend(req.pending_token_ids(n))
             positions.extend(range(start, start + n))
             qsl.append(qsl[-1] + n)
             ctx.append(start)
-            seq_lens.append(start + n)
             slots.append(self.cache.slot(req.req_id))
-            if self.cache.uses_kv:
+            if uses_kv:
                 table = self.cache.block_table(req.req_id)
                 tables.append(table)
                 slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            else:
+                tables.append([])
             if start + n == req.num_tokens:
                 sample_rows.append(qsl[-1] - 1)
-        if not self.cache.uses_kv:
+        if not uses_kv:
             slot_mapping = [-1] * len(ids)
-            tables = [[] for _ in seqs]
-        width = max((len(t) for t in tables), default=0) or 1
-        padded = [t + [0] * (width - len(t)) for t in tables]
+        return VarlenRows(ids, positions, slot_mapping, qsl, ctx, slots, tables), sample_rows
+
+    def build(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, ForwardMeta, list[int]]:
+        """(input_ids, positions, meta, rows to sample) for the step."""
+        rows, sample_rows = self.host_rows(sched)
+        qsl, ctx = rows.query_start_loc, rows.context_lens
+        seq_lens = [c + (qsl[i + 1] - qsl[i]) for i, c in enumerate(ctx)]
+        width = max((len(t) for t in rows.block_tables), default=0) or 1
+        padded = [t + [0] * (width - len(t)) for t in rows.block_tables]
         dev = self.device
 
         def i32(x: list[int]) -> torch.Tensor:
@@ -82,20 +92,20 @@ class ModelRunner:
         meta = ForwardMeta(
             num_decodes=len(sched.decodes),
             num_prefills=len(sched.prefills),
-            num_tokens=len(ids),
+            num_tokens=len(rows.input_ids),
             query_start_loc=i32(qsl),
             context_lens=i32(ctx),
             seq_lens=i32(seq_lens),
-            state_indices=i32(slots),
+            state_indices=i32(rows.state_indices),
             has_initial_state=torch.tensor([c > 0 for c in ctx], dtype=torch.bool, device=dev),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev).reshape(len(seqs), width),
+            slot_mapping=torch.tensor(rows.slot_mapping, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev).reshape(len(ctx), width),
             query_start_loc_cpu=qsl,
             context_lens_cpu=ctx,
             seq_lens_cpu=seq_lens,
         )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        input_ids = torch.tensor(rows.input_ids, dtype=torch.int64, device=dev)
+        pos = torch.tensor(rows.positions, dtype=torch.int64, device=dev)
         return input_ids, pos, meta, sample_rows
 
     def decode_rows(self, decodes: list[ScheduledSeq]) -> DecodeRows:
@@ -127,10 +137,17 @@ class ModelRunner:
         if self.graphs is not None and not sched.prefills and self.graphs.can_run(len(sched.decodes)):
             # every decode row samples: its one pending token is fed
             return self.graphs.run(self.decode_rows(sched.decodes)), [seq.request for seq in sched.decodes]
-        input_ids, positions, meta, rows = self.build(sched)
-        # per-layer export of the prefills that finish in this step (eager only: graphs run no hook)
-        meta.on_layer = self.layer_export.begin(sched) if self.layer_export is not None else None
-        hidden = self.model(input_ids, positions, meta, self.pool)
+        # per-layer export of the prefills that finish in this step: eager only (graphs run no hook)
+        stream = self.layer_export.begin(sched) if self.layer_export is not None else None
+        pg = self.prefill_graphs
+        if (stream is None and pg is not None and not sched.decodes
+                and pg.bucket(sched.num_tokens, len(sched.prefills)) is not None):
+            host, rows = self.host_rows(sched)
+            hidden = pg.run(host)
+        else:
+            input_ids, positions, meta, rows = self.build(sched)
+            meta.on_layer = stream
+            hidden = self.model(input_ids, positions, meta, self.pool)
         sampling = [seq.request for seq in sched.seqs if seq.request.num_computed_tokens + seq.num_new_tokens
                     == seq.request.num_tokens]
         if not rows:
