@@ -80,7 +80,7 @@ class Router:
                                 f"maximum model length {limit}", "max_tokens")
         try:
             return body.sampling_params(max_tokens)
-        except SamplingParamsError as e:
+        except SamplingParamsError as e:  # its messages start with the field's name
             raise APIError(400, str(e), str(e).split(" ", 1)[0]) from e
 
 
