@@ -172,3 +172,83 @@ def test_rejects_bad_arguments_like_the_ref() -> None:
     with pytest.raises(ValueError, match="activation"):
         causal_conv1d_update_triton(x[:1], pool, weight.cpu(), bias.cpu(), state_indices=i32([0]),
                                     activation="gelu")
+
+
+def test_varlen_empty_sequences_touch_nothing() -> None:
+    """CUDA-graph padding: zero-length sequences (repeated offsets) anywhere in the batch, pointing
+    at a negative slot or at a live sequence's slot, change no output and no slot."""
+    g = gen(9)
+    width, real = 4, [3, 1, 20 if not CUDA else 300, 2]
+    x = torch.randn(sum(real), DIM, generator=g).to(DEV)
+    weight, bias = conv_params(g, width, torch.float32)
+    pool = torch.randn(8, DIM, width - 1, generator=g).to(DEV)
+    pool_ref = pool.clone()
+    slots, init = [5, 2, 0, 7], [True, False, True, True]
+    ref = run_varlen(causal_conv1d_varlen_ref, x, weight, bias, pool_ref, real, slots, init, "silu")
+    # empties first, between and last; their slots: -1, a live one (0), a free one (3)
+    lengths = [0, 3, 0, 0, 1, 20 if not CUDA else 300, 0, 2, 0]
+    padded_slots = [-1, 5, 0, 3, 2, 0, -1, 7, 0]
+    padded_init = [True, True, True, False, False, True, True, True, True]
+    out = run_varlen(causal_conv1d_varlen_triton, x, weight, bias, pool, lengths, padded_slots, padded_init,
+                     "silu")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool, pool_ref)
+
+
+def test_varlen_all_sequences_empty() -> None:
+    g = gen(10)
+    weight, bias = conv_params(g, 4, torch.float32)
+    pool = torch.randn(3, DIM, 3, generator=g).to(DEV)
+    before = pool.clone()
+    x = torch.randn(0, DIM, generator=g).to(DEV)
+    out = run_varlen(causal_conv1d_varlen_triton, x, weight, bias, pool, [0, 0], [0, 1], [True, False], "silu")
+    assert out.shape == (0, DIM)
+    assert torch.equal(pool, before)
+
+
+def test_varlen_negative_slot_is_history_free_padding() -> None:
+    """A sequence with a negative slot: zeros as history (has_initial_state ignored), no write."""
+    g = gen(11)
+    width, lengths = 4, [5, 2]
+    x = torch.randn(sum(lengths), DIM, generator=g).to(DEV)
+    weight, bias = conv_params(g, width, torch.float32)
+    pool = torch.randn(4, DIM, width - 1, generator=g).to(DEV)
+    before, pool_ref = pool.clone(), pool.clone()
+    out = run_varlen(causal_conv1d_varlen_triton, x, weight, bias, pool, lengths, [-1, 1], [True, True], "silu")
+    ref = run_varlen(causal_conv1d_varlen_ref, x, weight, bias, pool_ref, lengths, [0, 1], [False, True], "silu")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool[0], before[0])  # the reference wrote its stand-in slot 0
+    assert torch.equal(pool[1:], pool_ref[1:])
+
+
+@pytest.mark.parametrize("width", [3, 5])
+def test_varlen_strided_input_other_widths(width: int) -> None:
+    """x as a column slice of the in_proj output (row stride > dim), widths the model does not use."""
+    g = gen(12)
+    lengths = [1, 2, 6, 17] if not CUDA else [1, 2, 6, 517]
+    proj = torch.randn(sum(lengths), DIM + 9, generator=g).to(torch.bfloat16).to(DEV)
+    x = proj[:, 5:5 + DIM]  # stride(0) = DIM + 9
+    weight, bias = conv_params(g, width, torch.bfloat16)
+    pool = torch.randn(6, DIM, width - 1, generator=g).to(DEV)
+    pool_ref = pool.clone()
+    init = [True, False, True, True]
+    out = run_varlen(causal_conv1d_varlen_triton, x, weight, bias, pool, lengths, [4, 0, 2, 5], init, "silu")
+    ref = run_varlen(causal_conv1d_varlen_ref, x, weight, bias, pool_ref, lengths, [4, 0, 2, 5], init, "silu")
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    assert_pool_equal(pool, pool_ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("width", [2, 5])
+def test_update_other_widths_even_channel_block(width: int) -> None:
+    """Width 2 (no shifted column) and 5; dim a multiple of the channel block (no channel mask)."""
+    g = gen(13)
+    dim = 64 if not CUDA else 1024
+    x = torch.randn(3, dim, generator=g).to(DEV)
+    weight = torch.randn(dim, width, generator=g).to(DEV)
+    pool = torch.randn(5, dim, width - 1, generator=g).to(DEV)
+    pool_ref = pool.clone()
+    slots = i32([3, 0, 4]).to(DEV)
+    out = causal_conv1d_update_triton(x, pool, weight, None, state_indices=slots, activation=None)
+    ref = causal_conv1d_update_ref(x, pool_ref, weight, None, state_indices=slots, activation=None)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool, pool_ref)
