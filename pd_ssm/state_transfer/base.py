@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Self
 
 from pd_ssm.cache.pages import LayerPages, StatePages
 
@@ -124,7 +125,7 @@ class Connector(ABC):
     def close(self) -> None:
         """Abort everything in flight and release sockets / process groups. Idempotent."""
 
-    def __enter__(self) -> Connector:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(

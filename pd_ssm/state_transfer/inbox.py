@@ -17,6 +17,7 @@ from __future__ import annotations
 import hmac
 import time
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import msgpack
@@ -26,7 +27,7 @@ from pd_ssm.state_transfer.assembler import PageAssembler
 from pd_ssm.state_transfer.base import TransferStats
 from pd_ssm.state_transfer.ledger import TransferLedger
 from pd_ssm.state_transfer.reservations import ReservationTable
-from pd_ssm.state_transfer.wire import MAX_HEADER_BYTES, Buffer, FrameError, decode_frame
+from pd_ssm.state_transfer.wire import MAX_HEADER_BYTES, Buffer, Frame, FrameError, decode_frame
 
 
 @dataclass(slots=True)
@@ -37,8 +38,11 @@ class _Partial:
 
 
 class Inbox:
-    def __init__(self, token: bytes, reservations: ReservationTable, ledger: TransferLedger) -> None:
+    def __init__(
+        self, token: bytes, reservations: ReservationTable, ledger: TransferLedger, pool: Executor | None = None
+    ) -> None:
         self._token = token
+        self._pool = pool  # checks a message's frames in parallel (checksums drop the GIL)
         self.reservations = reservations
         self.ledger = ledger
         self._partial: dict[str, _Partial] = {}  # NOTE: only requests whose ticket is in the table
@@ -74,8 +78,7 @@ class Inbox:
         try:
             if len(parts) % 2:
                 raise FrameError(f"message of {req_id!r} has {len(parts)} frame parts, not [header, payload] pairs")
-            for i in range(0, len(parts), 2):
-                frame = decode_frame(parts[i], parts[i + 1])
+            for frame in self._decode(parts):
                 if frame.kind == "abort" and frame.req_id == req_id:
                     assert frame.body is not None
                     self._drop(req_id, f"aborted by the sender: {frame.body['reason']}")
@@ -90,6 +93,13 @@ class Inbox:
         table.complete(req_id)
         self.ledger.received(TransferStats(req_id, part.nbytes, time.monotonic() - part.start))
         return part.asm.result()
+
+    def _decode(self, parts: Sequence[Buffer]) -> list[Frame]:
+        """[header, payload] pairs -> Frames; tensors view the received buffers (no copy)."""
+        pairs = list(zip(parts[0::2], parts[1::2], strict=True))
+        if self._pool is None or len(pairs) < 2:
+            return [decode_frame(h, p, copy=False) for h, p in pairs]
+        return list(self._pool.map(lambda hp: decode_frame(hp[0], hp[1], copy=False), pairs))
 
     def sweep(self) -> None:
         """Drop requests in progress whose reservation expired (failed: the caller frees it) or

@@ -83,7 +83,7 @@ class Frame(NamedTuple):
     layer_idx: int | None = None  # page frames only
     page_kind: str | None = None
     name: str | None = None
-    tensor: torch.Tensor | None = None  # CPU, owns its memory
+    tensor: torch.Tensor | None = None  # CPU; owns its memory, or views the payload (copy=False)
     body: dict[str, Any] | None = None  # request / end / abort frames only
 
 
@@ -169,8 +169,12 @@ def _checksum(header: dict[str, Any], payload: Buffer) -> int:
 # ------------------------------------------------------------------------------------ decode
 
 
-def decode_frame(header: Buffer, payload: Buffer | None) -> Frame:
-    """Check every field of a frame and build it; raises FrameError, and nothing else, on bad input."""
+def decode_frame(header: Buffer, payload: Buffer | None, copy: bool = True) -> Frame:
+    """Check every field of a frame and build it; raises FrameError, and nothing else, on bad input.
+
+    `copy=False` (a connector's receive path): a page's tensor is a view of `payload` when that is
+    a writable buffer, and keeps it alive -- no copy of the bytes; else it is copied as usual.
+    """
     h = _unpack(header, MAX_HEADER_BYTES, "header")
     if not isinstance(h, dict):
         raise FrameError(f"frame header must be a msgpack map, got {type(h).__name__}")
@@ -215,7 +219,7 @@ def decode_frame(header: Buffer, payload: Buffer | None) -> Frame:
         if math.prod(shape) * dtype.itemsize != nbytes:
             raise FrameError(f"shape {shape} x {dtype.itemsize} B ({dtype_name}) != nbytes {nbytes}")
         _verify(h, payload, checksum, f"layer {layer} {name!r} of {req_id!r}")
-        return Frame("page", req_id, layer, page_kind, name, tensor=_to_tensor(payload, dtype, shape))
+        return Frame("page", req_id, layer, page_kind, name, tensor=_to_tensor(view, dtype, shape, copy))
 
     if nbytes > MAX_BODY_BYTES:
         raise FrameError(f"{kind} body of {nbytes} bytes exceeds the cap of {MAX_BODY_BYTES}")
@@ -292,7 +296,12 @@ def _verify(h: dict[str, Any], payload: Buffer, checksum: int, what: str) -> Non
         raise FrameError(f"checksum mismatch on {what}: computed {got:#010x}, header says {checksum:#010x}")
 
 
-def _to_tensor(payload: Buffer, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+def _to_tensor(payload: memoryview, dtype: torch.dtype, shape: list[int], copy: bool) -> torch.Tensor:
+    if not copy and not payload.readonly and payload.nbytes > 0:
+        # NOTE: frombuffer holds a reference to the buffer (a received ZMQ frame), so it lives as
+        # long as the tensor; a copy into fresh memory costs more than the network on loopback
+        flat = payload if payload.format == "B" else payload.cast("B")
+        return torch.frombuffer(flat, dtype=torch.uint8).view(dtype).reshape(shape)
     out = torch.empty(shape, dtype=dtype)
     # one copy, into memory torch owns (aligned), so the receive buffer can be released at once
     out.reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(payload, dtype=np.uint8)

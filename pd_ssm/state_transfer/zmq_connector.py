@@ -1,9 +1,34 @@
+"""ZmqConnector: StatePages over ZMQ PUSH/PULL, a request in one or more messages.
+
+Message = [cluster token, header_0, payload_0, header_1, payload_1, ...], frames of wire.py of one
+request. `send` puts a whole request in messages of about `message_bytes` of payload each (the
+last one also carries the request and end frames), so checksumming on either side overlaps the
+wire. Layer-wise streaming (`send_layers`) sends page frames as the prefill forward finishes each
+layer; the final `send` then carries the rest, and the end frame counts the frames of every
+message. Payloads leave zero-copy (`copy=False`) from contiguous host tensors (GPU pages are first
+copied into pinned host staging) and are checksummed by a small thread pool (zlib drops the GIL).
+
+Roles by composition: a connector with `bind` (and a ReservationTable) receives; any connector
+sends, keeping one PUSH socket per destination address. Queued sends make progress in `send`,
+`flush` and `get_finished`, receives in `recv` / `poll`; the only threads are ZMQ's and the
+checksum pool's.
+
+Sender: a message waits in an outbox until ZMQ accepts it (IMMEDIATE: only onto a connected
+peer; SNDHWM bounds ZMQ's queue); one not accepted within `send_timeout` fails its request
+(`get_failed`), so a dead peer never hangs the sender. A request counts as sent once its last
+message is out and ZMQ has released all its buffers (MessageTracker) -- the caller may reuse its
+pages then. `abort` of a request already partly sent tells the receiver with an "abort" frame.
+
+Receiver: inbox.py -- authentication, the live Ticket, per-request assembly across messages, and
+the failures that cancel a reservation. Received tensors are views of the ZMQ frames (no copy).
+"""
+
 from __future__ import annotations
 
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch

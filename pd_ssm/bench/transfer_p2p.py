@@ -1,0 +1,151 @@
+"""`bench transfer` for the NCCL connector: NcclConnector vs raw torch.distributed send/recv.
+
+Two spawned processes, rank 0 sending (cuda:0 on GPU) and rank 1 receiving (cuda:1); on the CPU
+both use gloo. Each run, timed on the receiver from a barrier to the last byte in place (device
+synchronized): the raw baseline sends the request's bytes as ONE uint8 message on the default
+group; the connector sends the StatePages (metadata over ZMQ, p2p on its private group). The
+first connector run is checked byte for byte against the pages the sender made.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pd_ssm.bench.transfer import TOKEN, PageShape, make_pages, renamed
+
+
+def p2p_gbps(kind: str, dtype: str, shape: PageShape, device: str, repeats: int, timeout: float) -> tuple[float, float]:
+    """(connector GB/s, raw send/recv GB/s), medians of `repeats` runs after a warm-up."""
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        raise ValueError("bench transfer --device cuda needs two GPUs for the NCCL part (cuda:0 -> cuda:1)")
+    ctx = mp.get_context("spawn")
+    to_sender: Any = ctx.Queue()
+    results: Any = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = (kind, dtype, shape, device, repeats, timeout, port)
+    procs = [ctx.Process(target=_receiver, args=(*args, to_sender, results)),
+             ctx.Process(target=_sender, args=(*args, to_sender))]
+    for p in procs:
+        p.start()
+    try:
+        out = results.get(timeout=timeout + 60)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if isinstance(out, str):
+        raise RuntimeError(f"bench transfer (nccl): the receiver failed: {out}")
+    nbytes, conn_s, raw_s = out
+    return nbytes / statistics.median(conn_s) / 1e9, nbytes / statistics.median(raw_s) / 1e9
+
+
+def _dev(device: str, rank: int) -> torch.device:
+    return torch.device(f"cuda:{rank}") if device == "cuda" else torch.device("cpu")
+
+
+def _join_default_group(device: str, rank: int, port: int, timeout: float) -> None:
+    from datetime import timedelta
+
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=timeout))
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _sender(kind: str, dtype: str, shape: PageShape, device: str, repeats: int, timeout: float, port: int,
+            to_sender: Any) -> None:
+    from pd_ssm.state_transfer.base import Ticket
+    from pd_ssm.state_transfer.nccl_connector import NcclConfig, NcclConnector
+
+    dev = _dev(device, 0)
+    pages = make_pages("p2p", kind, getattr(torch, dtype), shape)
+    for p in pages.layers.values():
+        p.tensors = {k: t.to(dev) for k, t in p.tensors.items()}
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for p in pages.layers.values() for t in p.tensors.values()])
+    rendezvous = to_sender.get(timeout=timeout)
+    tx = NcclConnector(NcclConfig(TOKEN, rendezvous, device=str(dev), timeout=timeout, send_timeout=timeout))
+    _join_default_group(device, 0, port, timeout)
+    for _ in range(repeats + 1):
+        dist.barrier()
+        dist.send(flat, dst=1)
+        _sync(dev)
+    for i in range(repeats + 1):
+        dist.barrier()
+        assert tx.address is not None
+        req = renamed(pages, f"p2p-{i}")
+        tx.send(req, Ticket(req.req_id, tx.address, 0, [], time.monotonic() + timeout, TOKEN))
+        if not tx.flush(timeout):
+            raise RuntimeError(f"nccl bench: send {i} did not complete in {timeout} s: {tx.get_failed()}")
+    dist.barrier()
+    tx.close()
+    dist.destroy_process_group()
+
+
+def _receiver(kind: str, dtype: str, shape: PageShape, device: str, repeats: int, timeout: float, port: int,
+              to_sender: Any, results: Any) -> None:
+    try:
+        results.put(_receive(kind, dtype, shape, device, repeats, timeout, port, to_sender))
+    except Exception as e:  # reported to the parent, which raises it with the message
+        results.put(f"{type(e).__name__}: {e}")
+
+
+def _receive(kind: str, dtype: str, shape: PageShape, device: str, repeats: int, timeout: float, port: int,
+             to_sender: Any) -> tuple[int, list[float], list[float]]:
+    from pd_ssm.state_transfer.nccl_connector import NcclConfig, NcclConnector
+    from pd_ssm.state_transfer.reservations import ReservationTable
+
+    dev = _dev(device, 1)
+    expect = make_pages("p2p", kind, getattr(torch, dtype), shape)
+    nbytes = expect.nbytes()
+    table = ReservationTable(ttl=timeout, token=TOKEN)
+    rx = NcclConnector(NcclConfig(TOKEN, "tcp://127.0.0.1:0", device=str(dev), timeout=timeout),
+                       bind="tcp://127.0.0.1:0", reservations=table)
+    to_sender.put(rx.rendezvous)
+    end = time.monotonic() + timeout
+    while not rx.paired:  # the sender's hello is read inside recv
+        if time.monotonic() > end:
+            raise RuntimeError(f"nccl bench: no sender paired within {timeout} s")
+        rx.recv(timeout=0.05)
+    _join_default_group(device, 1, port, timeout)
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    raw: list[float] = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.recv(buf, src=0)
+        _sync(dev)
+        raw.append(time.perf_counter() - t0)
+    conn: list[float] = []
+    for i in range(repeats + 1):
+        table.reserve(f"p2p-{i}", rx.address or "", slot=0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        got = rx.recv(timeout=timeout)
+        _sync(dev)
+        conn.append(time.perf_counter() - t0)
+        if got is None:
+            raise RuntimeError(f"nccl bench: request {i} did not arrive: {rx.get_failed()}")
+        if i == 0:
+            for idx, page in expect.layers.items():
+                for name, t in page.tensors.items():
+                    if not torch.equal(t.view(torch.uint8), got.layers[idx].tensors[name].cpu().view(torch.uint8)):
+                        raise RuntimeError(f"nccl bench: layer {idx} {name!r} arrived different")
+    dist.barrier()
+    rx.close()
+    dist.destroy_process_group()
+    return nbytes, conn[1:], raw[1:]
