@@ -55,11 +55,11 @@ def main() -> None:
     torch.manual_seed(0)
     results: list[dict[str, Any]] = []
     fma_tiles = [LinearTile(*t) for t in itertools.product((8, 16, 32), (256, 512), (4, 8), (3, 4))]
-    dot_tiles = [LinearTile(*t) for t in itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4, 5))]
+    dot_tiles = [LinearTile(*t) for t in itertools.product((16, 32, 64), (64, 128), (4, 8), (3, 4), (1, 2, 4, 8))]
     if args.quick:
         fma_tiles, dot_tiles = fma_tiles[:4], dot_tiles[:4]
     ok = True
-    for (name, (n, k)), rows in itertools.product(SHAPES.items(), (1, 32, 128)):
+    for (name, (n, k)), rows in itertools.product(SHAPES.items(), (1, 4, 8, 32, 128)):
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.05 for _ in range(CALLS)]
         x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
         want = skinny_linear_ref(x, ws[0]).float()

@@ -33,6 +33,7 @@ class LinearTile(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1  # DOT path: K split over this many programs, fp32 partials summed by a second launch
 
 
 # NOTE: the fastest of benchmarks/linear_gpu.py's sweep on an H200 (RESULTS.md, 2026-11-30): one row,
@@ -91,17 +92,20 @@ def _skinny_dot_kernel(
     stride_xm, stride_wn, stride_ym,
     # meta-parameters
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, INTERPRETED: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
+    """SPLIT == 1: y = x W^T (+ bias) rounded once; else y_ptr is an fp32 [SPLIT, M, N] workspace of
+    partial sums over K_PER_SPLIT-long slices of K (bias and rounding left to the reduce kernel)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     m_ok = offs_m < M
     n_ok = offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+    for k0 in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
+        offs_k = pid_s * K_PER_SPLIT + k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         xv = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
                      mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
@@ -111,10 +115,39 @@ def _skinny_dot_kernel(
             acc = tl.dot(xv.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(xv, w, acc)
+    out_ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=out_ok)
+    else:
+        part = y_ptr + (pid_s * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
+        tl.store(part, acc, mask=out_ok)
+
+
+@triton.jit
+def _split_reduce_kernel(
+    # pointers
+    ws_ptr, b_ptr, y_ptr,
+    # dimensions
+    M, N,
+    # strides
+    stride_ym,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """y[m, n] = sum over s of ws[s, m, n] (+ bias[n]) in a fixed order: deterministic, unlike atomics."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] flat (m, n)
+    ok = offs < M * N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(ws_ptr + s * M * N + offs, mask=ok, other=0.0)
+    m = offs // N
+    n = offs % N
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+        acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def skinny_linear_triton(
@@ -149,11 +182,21 @@ def skinny_linear_triton(
     else:
         t = tile or DOT_TILE
         block_m = min(64, max(16, triton.next_power_of_2(M)))
-        _skinny_dot_kernel[(triton.cdiv(N, t.block_n), triton.cdiv(M, block_m))](
-            x, weight, bias, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
+        split = max(1, t.split_k)
+        k_per_split = triton.cdiv(triton.cdiv(K, split), t.block_k) * t.block_k
+        # NOTE: fp32 partials [split, M, N]: a second launch sums them in a fixed order
+        out = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+        _skinny_dot_kernel[(triton.cdiv(N, t.block_n), triton.cdiv(M, block_m), split)](
+            x, weight, bias, out, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-            NUM_STAGES=t.num_stages, INTERPRETED=interpreted, num_warps=t.num_warps,
+            K_PER_SPLIT=k_per_split, SPLIT=split, NUM_STAGES=t.num_stages, INTERPRETED=interpreted,
+            num_warps=t.num_warps,
         )
+        if split > 1:
+            block = 1024
+            _split_reduce_kernel[(triton.cdiv(M * N, block),)](
+                out, bias, y, M, N, y.stride(0), HAS_BIAS=bias is not None, SPLIT=split, BLOCK=block, num_warps=4,
+            )
     return y
 
 
