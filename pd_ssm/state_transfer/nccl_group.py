@@ -68,8 +68,8 @@ def join_store(rendezvous: str, timeout: float) -> dist.TCPStore:
 class PeerGroup:
     """Generation `gen` of the group between one sender (rank 0) and one receiver (rank 1).
 
-    Construction blocks until the peer constructs the same generation (gloo connects at once;
-    NCCL connects lazily on the first p2p, which both sides post together)."""
+    Construction blocks until the peer constructs the same generation and one handshake p2p
+    went through (RuntimeError otherwise, after at most about `timeout`)."""
 
     def __init__(self, store: dist.Store, gen: int, rank: int, device: torch.device, timeout: float) -> None:
         self.gen = gen
@@ -82,6 +82,16 @@ class PeerGroup:
             self._pg = _nccl_group(prefix, rank, timeout)
         else:
             self._pg = dist.ProcessGroupGloo(prefix, rank, 2, timedelta(seconds=timeout))
+        # NOTE: one tiny p2p now: NCCL creates its communicator on the first p2p, so this keeps
+        # that (blocking, collective) setup inside the pairing, and proves the group carries bytes
+        probe = torch.full((1,), gen if rank == SENDER_RANK else -1, dtype=torch.int64, device=device)
+        work = self.isend(probe) if rank == SENDER_RANK else self.irecv(probe)
+        why = self.wait(work, timeout)
+        if why is None and int(probe.item()) != gen:
+            why = f"handshake carried {int(probe.item())}, expected generation {gen}"
+        if why is not None:
+            self.close()
+            raise RuntimeError(f"generation {gen}: the group formed but its handshake failed: {why}")
 
     def isend(self, buf: torch.Tensor) -> Any:
         """Post the p2p send of `buf` (keep `buf` alive until the work completed)."""
