@@ -185,7 +185,7 @@ def run_transfer_bench(opts: TransferBenchOptions, on_row: Callable[[dict[str, A
         for dtype_name in opts.dtypes:
             pages = make_pages("bench", kind, getattr(torch, dtype_name), opts.shape)
             nbytes = pages.nbytes()
-            base = dict(pages=kind, state_dtype=dtype_name, mbytes=round(nbytes / 1e6, 2))
+            base = dict(pages=kind, state_dtype=dtype_name, nbytes=nbytes, mbytes=nbytes / 1e6)
             if "zmq" in opts.connectors:
                 raw = median_gbps(nbytes, socket_seconds(nbytes, opts.chunk), opts.repeats)
                 got = median_gbps(nbytes, zmq_seconds(pages, opts.timeout), opts.repeats)
