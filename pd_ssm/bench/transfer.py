@@ -220,7 +220,8 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(
             f"layer-wise streaming ({s['model']}, {s['tokens']} tokens, {s['mbytes']:.1f} MB): prefill "
             f"{s['prefill_ms']:.1f} ms, transfer {s['transfer_ms']:.1f} ms, overlap {s['overlap_ms']:.1f} ms "
-            f"({100 * s['hidden']:.0f}% of the transfer hidden); prefill start -> pages in: streamed "
+            f"({100 * s['hidden']:.0f}% hidden), {s['exposed_ms']:.1f} ms left after the prefill vs "
+            f"{s['whole_send_ms']:.1f} ms for a whole send; prefill start -> pages in: streamed "
             f"{s['streamed_total_ms']:.1f} ms vs prefill then send {s['sequential_total_ms']:.1f} ms"
         )
     return "\n".join(lines)

@@ -7,6 +7,8 @@ a ConnectorSink into a ZmqConnector whose receiver runs in a thread of this proc
              token sampled, its last layers and state handed to the connector)
   transfer   first layer handed to the connector -> the receiver holds the whole checked request
   overlap    the part of the transfer that ran while the prefill was still computing
+  exposed    what is left after the prefill: prefill end -> request received
+  whole send without streaming: the exported request's one send -> received
   streamed total     prefill start -> request received, with streaming
   sequential total   the same on a second engine without streaming: prefill, export, one send
 
@@ -133,7 +135,9 @@ def _one_run(streaming: Engine, plain: Engine, sink: _TimedSink, tx: ZmqConnecto
     plain.add_request(prompt, params, request_id=seq)
     while not plain.requests[seq].output_token_ids:
         plain.step()
-    tx.send(plain.export_request(seq), ticket)
+    whole_pages = plain.export_request(seq)
+    t_sent = time.perf_counter()
+    tx.send(whole_pages, ticket)
     th.join()
     t_seq, whole = got.pop()
     if whole is None:
@@ -147,6 +151,8 @@ def _one_run(streaming: Engine, plain: Engine, sink: _TimedSink, tx: ZmqConnecto
         prefill_ms=1e3 * (t_prefill - t0),
         transfer_ms=1e3 * (t_recv - sink.first),
         overlap_ms=1e3 * max(0.0, min(t_prefill, t_recv) - sink.first),
+        exposed_ms=1e3 * max(0.0, t_recv - t_prefill),
+        whole_send_ms=1e3 * (t_seq - t_sent),
         streamed_total_ms=1e3 * (t_recv - t0),
         sequential_total_ms=1e3 * (t_seq - t1),
     )

@@ -26,6 +26,7 @@ def test_cli_runs_every_part_and_writes_json(tmp_path: Path, capsys: pytest.Capt
     s = result["stream"]
     assert s["tokens"] == 24 and s["transfer_ms"] > 0 and 0 <= s["overlap_ms"] <= s["transfer_ms"]
     assert s["prefill_ms"] > 0 and s["streamed_total_ms"] > 0 and 0.0 <= s["hidden"] <= 1.0
+    assert s["whole_send_ms"] > 0 and 0 <= s["exposed_ms"] <= s["transfer_ms"]
     table = capsys.readouterr().out
     assert "tcp socket" in table and "dist send/recv" in table and "layer-wise streaming" in table
     assert table == format_table(result) + "\n"
