@@ -7,8 +7,8 @@ Two directions, two typed queues (queues.py):
   deltas of one engine step), `WorkerError`.
 
 Ids: `req_id` is chosen by the router and unique among its live requests; `worker_id` is given to
-a worker by whoever launched it.  The disaggregated path adds Reserve / Ticket / Prefill classes
-to these tuples; the router's dispatch is by type, so nothing else changes.
+a worker by whoever launched it.  The disaggregated path's Reserve / Ticket / Prefill classes
+(disagg_messages.py) ride on the same queues; the router's dispatch is by type.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pd_ssm.control.codec import Codec
+from pd_ssm.control.disagg_messages import DISAGG_TO_ROUTER, DISAGG_TO_WORKER, TicketSpec
 from pd_ssm.sampling_params import SamplingParams
 
 
@@ -63,7 +64,7 @@ class WorkerHello:
     pid: int
     model: str
     max_model_len: int  # prompt + output tokens one request may reach on this worker
-    role: str = "colocated"  # "colocated" | later "prefill" | "decode"
+    role: str = "colocated"  # "colocated" | "prefill" | "decode"
 
 
 @dataclass(slots=True)
@@ -82,6 +83,8 @@ class LoadReport:
     used_blocks: int
     pool_ok: bool
     steps: int = 0  # engine steps run so far
+    reserved: int = 0  # decode role: requests holding a reservation whose pages have not arrived
+    transfers: int = 0  # requests whose pages are on their way in or out (held by the connector side)
 
 
 @dataclass(slots=True)
@@ -128,8 +131,8 @@ class WorkerError:
     fatal: bool = False
 
 
-TO_WORKER: tuple[type, ...] = (SubmitRequest, AbortRequest, HealthCheck, Shutdown)
-TO_ROUTER: tuple[type, ...] = (WorkerHello, LoadReport, StepOutputs, WorkerError)
+TO_WORKER: tuple[type, ...] = (SubmitRequest, AbortRequest, HealthCheck, Shutdown, *DISAGG_TO_WORKER)
+TO_ROUTER: tuple[type, ...] = (WorkerHello, LoadReport, StepOutputs, WorkerError, *DISAGG_TO_ROUTER)
 
-# SamplingParams and TokenDelta ride inside other messages
-CONTROL_CODEC = Codec([*TO_WORKER, *TO_ROUTER, SamplingParams, TokenDelta])
+# SamplingParams, TokenDelta and TicketSpec ride inside other messages
+CONTROL_CODEC = Codec([*TO_WORKER, *TO_ROUTER, SamplingParams, TokenDelta, TicketSpec])

@@ -1,4 +1,10 @@
-"""Local launcher: N colocated engine worker processes plus the router, on one machine.
+"""Local launcher: the router plus its engine worker processes, on one machine.
+
+Colocated (`pd-ssm serve`): N workers `w0..` each running prefill and decode.  Disaggregated
+(`--disagg`): prefill workers `p0..` (`python -m pd_ssm.prefill_worker`) and decode workers `d0..`
+(`python -m pd_ssm.decode_worker`) that move state pages over the chosen connector; they share a
+random cluster token (environment, never argv) and, on CUDA, each sees one GPU of `gpus`
+(CUDA_VISIBLE_DEVICES), so that an NCCL pair runs between two devices.
 
 `pd-ssm serve` runs this.  The router (FastAPI under uvicorn) lives in the launcher's process and
 event loop; each worker is `python -m pd_ssm.worker` with the engine flags passed through, told
@@ -17,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -27,6 +34,7 @@ from types import FrameType
 import uvicorn
 
 from pd_ssm.router.workers import WorkerPool
+from pd_ssm.worker.transfer_flags import CLUSTER_TOKEN_ENV
 
 log = logging.getLogger("pd_ssm.serve")
 
@@ -48,10 +56,33 @@ class LocalDeployment:
     health_timeout: float = 3.0
     device: str = "cpu"
     log_level: str = "INFO"
+    disagg: bool = False
+    num_prefill: int = 1
+    num_decode: int = 1
+    connector: str = "zmq"
+    decode_policy: str = "least_loaded"
+    gpus: list[int] | None = None  # CUDA: GPU index per worker, prefill workers first; None: 0, 1, ...
+    transfer_argv: list[str] = field(default_factory=list)  # connector flags for disaggregated workers
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ValueError(f"--num-workers must be >= 1, got {self.num_workers}")
+        if self.disagg and (self.num_prefill < 1 or self.num_decode < 1):
+            raise ValueError(f"--disagg needs --num-prefill >= 1 and --num-decode >= 1, got "
+                             f"{self.num_prefill} and {self.num_decode}")
+        if self.connector not in ("zmq", "nccl"):
+            raise ValueError(f"--connector must be zmq or nccl, got {self.connector!r}")
+        if self.gpus is not None and len(self.gpus) < self.num_processes:
+            raise ValueError(f"--gpus lists {len(self.gpus)} GPU(s) for {self.num_processes} workers: one each")
+
+    @property
+    def num_processes(self) -> int:
+        return self.num_prefill + self.num_decode if self.disagg else self.num_workers
+
+    def worker_ids(self) -> list[str]:
+        if not self.disagg:
+            return [f"w{i}" for i in range(self.num_workers)]
+        return [f"p{i}" for i in range(self.num_prefill)] + [f"d{i}" for i in range(self.num_decode)]
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in 0..65535 (0: pick a free one), got {self.port}")
 
@@ -74,19 +105,29 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _worker_env(dep: LocalDeployment) -> dict[str, str]:
+def _worker_env(dep: LocalDeployment, index: int, token: str) -> dict[str, str]:
     env = dict(os.environ)
     if dep.device == "cpu" and "OMP_NUM_THREADS" not in env:
         # N workers each using every core would thrash; split the cores between them
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // dep.num_workers))
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // dep.num_processes))
+    if dep.disagg:
+        env[CLUSTER_TOKEN_ENV] = token
+    if dep.device == "cuda" and (dep.disagg or dep.gpus is not None):
+        env["CUDA_VISIBLE_DEVICES"] = str(dep.gpus[index] if dep.gpus is not None else index)
     return env
 
 
-def spawn_worker(dep: LocalDeployment, worker_id: str, router_address: str) -> WorkerProcess:
-    cmd = [sys.executable, "-m", "pd_ssm.worker", "--worker-id", worker_id, "--router", router_address,
+_MODULES = {"w": "pd_ssm.worker", "p": "pd_ssm.prefill_worker", "d": "pd_ssm.decode_worker"}
+
+
+def spawn_worker(dep: LocalDeployment, worker_id: str, router_address: str, index: int = 0,
+                 token: str = "") -> WorkerProcess:
+    """Start worker `worker_id` (its first letter names its role) as the `index`-th process."""
+    extra = dep.transfer_argv if dep.disagg else []
+    cmd = [sys.executable, "-m", _MODULES[worker_id[0]], "--worker-id", worker_id, "--router", router_address,
            "--model", dep.model_dir, "--served-model-name", dep.served_model_name,
-           "--parent-pid", str(os.getpid()), "--log-level", dep.log_level, *dep.engine_argv]
-    proc = subprocess.Popen(cmd, env=_worker_env(dep), stdin=subprocess.DEVNULL)
+           "--parent-pid", str(os.getpid()), "--log-level", dep.log_level, *dep.engine_argv, *extra]
+    proc = subprocess.Popen(cmd, env=_worker_env(dep, index, token), stdin=subprocess.DEVNULL)
     log.info("started worker %s (pid %d)", worker_id, proc.pid)
     return WorkerProcess(worker_id, proc)
 
@@ -127,7 +168,7 @@ def _ignore(signum: int, frame: FrameType | None) -> None:
 async def serve(dep: LocalDeployment) -> int:
     """Run the deployment until SIGINT / SIGTERM; returns the exit status."""
     pool = WorkerPool("127.0.0.1" if dep.host in ("", "0.0.0.0", "::") else dep.host,
-                      expected=[f"w{i}" for i in range(dep.num_workers)],
+                      expected=dep.worker_ids(),
                       health_interval=dep.health_interval, health_timeout=dep.health_timeout)
     sock = listen_socket(dep.host, dep.port)
     workers: list[WorkerProcess] = []
@@ -136,19 +177,22 @@ async def serve(dep: LocalDeployment) -> int:
     pool.start()
     supervisor = asyncio.create_task(supervise(workers, pool))
     try:
-        for worker_id, handle in pool.workers.items():
-            workers.append(spawn_worker(dep, worker_id, pool.address))
+        token = secrets.token_hex(16)
+        for index, (worker_id, handle) in enumerate(pool.workers.items()):
+            workers.append(spawn_worker(dep, worker_id, pool.address, index, token))
             handle.pid = workers[-1].proc.pid  # /health shows it before the worker's hello
         # NOTE: imported only now: the router's tokenizer pulls in torch (seconds), which thus
         # loads while the workers load their engines instead of before they start
         from pd_ssm.router.app import Router, RouterConfig, create_app
         from pd_ssm.router.prompts import PromptBuilder
 
-        router = Router(RouterConfig(dep.served_model_name, dep.api_key, dep.policy), pool,
-                        PromptBuilder.from_model_dir(dep.model_dir))
+        router = Router(RouterConfig(dep.served_model_name, dep.api_key, dep.policy, dep.disagg, dep.decode_policy),
+                        pool, PromptBuilder.from_model_dir(dep.model_dir))
         host, port = sock.getsockname()[:2]
-        print(f"pd-ssm serve: {dep.num_workers} worker(s), model {dep.served_model_name!r}, "
-              f"listening on http://{host}:{port}", flush=True)
+        what = (f"{dep.num_prefill} prefill + {dep.num_decode} decode worker(s) over {dep.connector}"
+                if dep.disagg else f"{dep.num_workers} worker(s)")
+        print(f"pd-ssm serve: {what}, model {dep.served_model_name!r}, listening on http://{host}:{port}",
+              flush=True)
         config = uvicorn.Config(create_app(router), log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
         await uvicorn.Server(config).serve(sockets=[sock])
     finally:

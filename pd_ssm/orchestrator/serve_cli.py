@@ -1,4 +1,4 @@
-"""`pd-ssm serve`: the flags of a local colocated deployment, turned into a LocalDeployment.
+"""`pd-ssm serve`: the flags of a local deployment (colocated, or `--disagg`), turned into a LocalDeployment.
 
 Engine flags are `pd-ssm generate`'s (`_engine_flags`, vLLM's names); they are re-rendered as argv
 for every worker, so a flag added there reaches the workers without a change here.
@@ -37,6 +37,7 @@ def engine_argv(args: argparse.Namespace, skip: tuple[str, ...] = ("model",)) ->
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from pd_ssm.cli import _engine_flags
+    from pd_ssm.worker.transfer_flags import add_transfer_flags
 
     p = sub.add_parser("serve", help="OpenAI-compatible server: router + colocated engine workers")
     _engine_flags(p)
@@ -50,6 +51,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--health-timeout", type=float, default=3.0,
                    help="seconds without an answer before a worker leaves rotation")
     p.add_argument("--log-level", default="INFO")
+    d = p.add_argument_group("disaggregated serving (prefill and decode on different workers)")
+    d.add_argument("--disagg", action="store_true", help="prefill workers ship state pages to decode workers")
+    d.add_argument("--num-prefill", type=int, default=1, help="prefill worker processes (--disagg)")
+    d.add_argument("--num-decode", type=int, default=1, help="decode worker processes (--disagg)")
+    add_transfer_flags(d)
+    d.add_argument("--decode-routing-policy", default="least_loaded",
+                   help="picks the decode worker (--routing-policy picks the prefill worker)")
+    d.add_argument("--gpus", default=None,
+                   help="CUDA: comma-separated GPU index per worker, prefill workers first (default 0,1,...)")
     p.set_defaults(func=run_serve)
 
 
@@ -59,6 +69,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     make_policy(args.routing_policy)  # a typo fails before any process starts
+    make_policy(args.decode_routing_policy)
     if args.model is None:
         from pd_ssm.default_model import default_model_dir
 
@@ -80,5 +91,13 @@ def run_serve(args: argparse.Namespace) -> int:
         health_timeout=args.health_timeout,
         device=args.device,
         log_level=args.log_level,
+        disagg=args.disagg,
+        num_prefill=args.num_prefill,
+        num_decode=args.num_decode,
+        connector=args.connector,
+        decode_policy=args.decode_routing_policy,
+        gpus=[int(g) for g in args.gpus.split(",")] if args.gpus else None,
+        transfer_argv=["--connector", args.connector, "--transfer-timeout", str(args.transfer_timeout),
+                       "--send-timeout", str(args.send_timeout)],
     )
     return asyncio.run(serve(dep))

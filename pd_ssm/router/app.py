@@ -22,6 +22,7 @@ from pd_ssm.router.dispatch import Completion, Dispatcher, Submitted
 from pd_ssm.router.errors import APIError, install_handlers
 from pd_ssm.router.metrics import CONTENT_TYPE, RouterMetrics
 from pd_ssm.router.openai_models import ChatCompletionRequest, CompletionRequest, _GenerationRequest
+from pd_ssm.router.pairing import DisaggDispatcher
 from pd_ssm.router.policies import make_policy
 from pd_ssm.router.prompts import PromptBuilder, PromptError
 from pd_ssm.router.responses import (
@@ -33,7 +34,7 @@ from pd_ssm.router.responses import (
     sse,
     usage_chunk,
 )
-from pd_ssm.router.workers import WorkerPool, WorkerStatus
+from pd_ssm.router.workers import WorkerPool
 from pd_ssm.sampling_params import SamplingParams, SamplingParamsError
 
 
@@ -42,11 +43,15 @@ class RouterConfig:
     served_model_name: str
     api_key: str | None = None
     policy: str = "least_loaded"
+    # disaggregated: `policy` picks the prefill worker, `decode_policy` the decode worker
+    disagg: bool = False
+    decode_policy: str = "least_loaded"
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
             raise ValueError("served_model_name is empty: clients name the model they want")
         make_policy(self.policy)  # an unknown name fails here, at startup
+        make_policy(self.decode_policy)
 
 
 class Router:
@@ -57,7 +62,10 @@ class Router:
         self.pool = pool
         self.prompts = prompts
         self.metrics = RouterMetrics(pool)
-        self.dispatcher = Dispatcher(pool, make_policy(config.policy), self.metrics)
+        self.dispatcher: Dispatcher = (
+            DisaggDispatcher(pool, make_policy(config.policy), self.metrics, make_policy(config.decode_policy))
+            if config.disagg else Dispatcher(pool, make_policy(config.policy), self.metrics)
+        )
 
     def check(self, body: _GenerationRequest) -> None:
         if body.model is not None and body.model != self.config.served_model_name:
@@ -139,9 +147,10 @@ def create_app(router: Router) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        workers = [{"id": w.worker_id, "status": w.status.value, "pid": w.pid, "error": w.error,
+        workers = [{"id": w.worker_id, "role": w.role, "status": w.status.value, "pid": w.pid, "error": w.error,
                     "inflight": len(w.inflight)} for w in router.pool.workers.values()]
-        ok = any(w.status is WorkerStatus.HEALTHY for w in router.pool.workers.values())
+        roles = ("prefill", "decode") if router.config.disagg else (None,)
+        ok = all(router.pool.in_rotation(role) for role in roles)
         return JSONResponse({"status": "ok" if ok else "unavailable", "workers": workers},
                             status_code=200 if ok else 503)
 

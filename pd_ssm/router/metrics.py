@@ -21,6 +21,7 @@ from pd_ssm.router.workers import WorkerPool, WorkerStatus
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 34, 2))  # 1 KiB .. 8 GiB
 _TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -39,9 +40,13 @@ class _WorkerCollector(Collector):
             ("pd_ssm_kv_blocks_free", "KV blocks free", "free_blocks"),
             ("pd_ssm_pool_invariant_ok", "1 when free + used == total held on the worker's pools", "pool_ok"),
             ("pd_ssm_worker_inflight", "requests the router has sent to the worker and not seen finish", None),
+            ("pd_ssm_state_slots_reserved", "decode role: slots reserved for pages still on their way", "reserved"),
+            ("pd_ssm_transfers_in_flight", "requests whose state pages are on their way in or out", "transfers"),
         ]
         families = {name: GaugeMetricFamily(name, doc, labels=["worker"]) for name, doc, _ in specs}
+        info = GaugeMetricFamily("pd_ssm_worker_info", "1 per worker, labelled with its role", labels=["worker", "role"])
         for w in list(self.pool.workers.values()):
+            info.add_metric([w.worker_id, w.role or "unknown"], 1.0)
             families["pd_ssm_worker_healthy"].add_metric([w.worker_id], float(w.status is WorkerStatus.HEALTHY))
             families["pd_ssm_worker_inflight"].add_metric([w.worker_id], float(len(w.inflight)))
             if w.load is None:
@@ -50,6 +55,7 @@ class _WorkerCollector(Collector):
                 if attr is not None:
                     families[name].add_metric([w.worker_id], float(getattr(w.load, attr)))
         yield from families.values()
+        yield info
 
 
 class RouterMetrics:
@@ -65,6 +71,16 @@ class RouterMetrics:
                                 registry=self.registry)
         self.prompt_tokens = Counter("pd_ssm_prompt_tokens", "prompt tokens processed", registry=self.registry)
         self.generation_tokens = Counter("pd_ssm_generation_tokens", "tokens generated", registry=self.registry)
+        # disaggregated: one observation per request and side (the prefill side times its send,
+        # the decode side its receive: clocks of two processes never mix)
+        self.transfer_bytes = Histogram("pd_ssm_transfer_bytes", "state pages moved per request",
+                                        ["role"], buckets=_BYTES_BUCKETS, registry=self.registry)
+        self.transfer_seconds = Histogram("pd_ssm_transfer_seconds", "state transfer time per request",
+                                          ["role"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.transfers = Counter("pd_ssm_transfers", "state transfers by side and outcome", ["role", "outcome"],
+                                 registry=self.registry)
+        self.worker_transfer_bytes = Counter("pd_ssm_worker_transfer_bytes", "state page bytes a worker sent or received",
+                                             ["worker"], registry=self.registry)
         self.registry.register(_WorkerCollector(pool))
 
     def observe_finished(self, *, ttft: float | None, e2e: float, prompt_tokens: int, completion_tokens: int,
@@ -77,6 +93,12 @@ class RouterMetrics:
             self.ttft.observe(ttft)
             if completion_tokens > 1:
                 self.tpot.observe((e2e - ttft) / (completion_tokens - 1))
+
+    def observe_transfer(self, worker_id: str, role: str, nbytes: int, seconds: float) -> None:
+        self.transfers.labels(role, "ok").inc()
+        self.transfer_bytes.labels(role).observe(nbytes)
+        self.transfer_seconds.labels(role).observe(seconds)
+        self.worker_transfer_bytes.labels(worker_id).inc(nbytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

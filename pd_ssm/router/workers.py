@@ -10,6 +10,15 @@ arrived for `health_timeout` s leaves rotation (UNRESPONSIVE) and comes back (HE
 next message.  A worker is DEAD when it says so (fatal WorkerError) or when whoever supervises
 its process calls `mark_dead`; its in-flight requests then fail with a 503 at once, and a new
 WorkerHello under the same id (a restarted process) brings it back.
+
+Disaggregated requests run on two workers: a stream lists every worker that holds a part of it
+(`workers`: the prefill worker until its pages have left, the decode worker once it reserved).
+Deltas are taken from any of them; the prefill worker's first token comes on another socket than
+the decode worker's later ones, so a stream with `first_from` set holds other workers' deltas
+until that one's first delta arrived.  A stream that ends -- finished, failed, aborted -- sends
+AbortRequest to every worker still holding a part (a no-op where it is gone), so neither side
+keeps pages of a request the other side lost.  Messages of the disaggregated path (ReserveReply,
+TransferReport) and deaths go to `listeners` (router/pairing.py).
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
@@ -63,18 +73,33 @@ class StreamFailure:
 
 @dataclass(slots=True)
 class RequestStream:
-    """One request's deltas as they come from its worker; the last one has a finish_reason."""
+    """One request's deltas as they come from its worker(s); the last one has a finish_reason."""
 
     req_id: str
-    worker_id: str
+    worker_id: str  # the worker it was submitted to (the prefill worker when disaggregated)
     queue: asyncio.Queue[TokenDelta | StreamFailure] = field(default_factory=asyncio.Queue)
     done: bool = False
+    workers: set[str] = field(default_factory=set)  # workers holding a part of it
+    first_from: str | None = None  # deltas of others wait until this worker's first one came
+    held: list[TokenDelta] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.workers.add(self.worker_id)
+
+
+class PoolListener(Protocol):
+    """Told of what the pool does not handle itself (the disaggregated dispatcher)."""
+
+    def on_message(self, w: WorkerHandle, msg: Any) -> None: ...
+
+    def on_dead(self, w: WorkerHandle) -> None: ...
 
 
 @dataclass(slots=True)
 class WorkerHandle:
     worker_id: str
     status: WorkerStatus = WorkerStatus.STARTING
+    role: str = ""  # from its hello: "colocated" | "prefill" | "decode"
     address: str = ""
     pid: int | None = None
     max_model_len: int = 0
@@ -109,6 +134,7 @@ class WorkerPool:
         self._actx = zmq.asyncio.Context()
         self._sctx = zmq.Context()
         self.pull = AsyncPullQueue(self._actx, host, TO_ROUTER)
+        self.listeners: list[PoolListener] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._seq = 0
 
@@ -138,8 +164,10 @@ class WorkerPool:
         self._sctx.destroy(linger=0)
 
     # --- rotation --------------------------------------------------------------------------
-    def in_rotation(self) -> list[WorkerHandle]:
-        return [w for w in self.workers.values() if w.status is WorkerStatus.HEALTHY]
+    def in_rotation(self, role: str | None = None) -> list[WorkerHandle]:
+        """Healthy workers (of `role`, when given)."""
+        return [w for w in self.workers.values()
+                if w.status is WorkerStatus.HEALTHY and (role is None or w.role == role)]
 
     def max_model_len(self) -> int:
         """The longest request every worker in rotation can hold (0 with none)."""
@@ -147,35 +175,71 @@ class WorkerPool:
 
     # --- requests --------------------------------------------------------------------------
     def submit(self, worker_id: str, req_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        return self.open(worker_id, req_id, SubmitRequest(req_id, prompt_token_ids, params))
+
+    def open(self, worker_id: str, req_id: str, command: Any, first_from: str | None = None) -> RequestStream:
+        """Start a request on `worker_id` with `command`; its stream takes that worker's deltas."""
         w = self.workers[worker_id]
         if w.status is not WorkerStatus.HEALTHY or w.push is None:
             raise NoWorkerError(f"worker {worker_id} is {w.status.value}")
         if req_id in self.streams:
             raise ValueError(f"request id {req_id!r} is already live")
-        stream = RequestStream(req_id, worker_id)
+        stream = RequestStream(req_id, worker_id, first_from=first_from)
         self.streams[req_id] = stream
         w.inflight.add(req_id)
-        if not self._send(w, SubmitRequest(req_id, prompt_token_ids, params)):
+        if not self._send(w, command):
             self._end(stream)
             raise NoWorkerError(f"worker {worker_id} does not take commands (its queue is full)")
         return stream
 
-    def abort(self, req_id: str) -> None:
-        """Tell the worker to drop the request and free its pages; no-op once it has finished."""
-        stream = self.streams.get(req_id)
-        if stream is None:
-            return
-        w = self.workers.get(stream.worker_id)
-        if w is not None and w.status is not WorkerStatus.DEAD:
-            self._send(w, AbortRequest(req_id))
-        self._end(stream)
+    def attach(self, req_id: str, worker_id: str) -> bool:
+        """`worker_id` now holds a part of the request (its deltas count); False if the request is gone."""
+        stream, w = self.streams.get(req_id), self.workers.get(worker_id)
+        if stream is None or w is None or w.status is WorkerStatus.DEAD:
+            return False
+        stream.workers.add(worker_id)
+        w.inflight.add(req_id)
+        return True
 
-    def _end(self, stream: RequestStream) -> None:
+    def detach(self, req_id: str, worker_id: str) -> None:
+        """`worker_id` holds nothing of the request any more (its pages left): losing it no longer fails it."""
+        stream = self.streams.get(req_id)
+        if stream is not None and stream.first_from is None:
+            stream.workers.discard(worker_id)
+        w = self.workers.get(worker_id)
+        if w is not None and (stream is None or worker_id not in stream.workers):
+            w.inflight.discard(req_id)
+
+    def command(self, worker_id: str, msg: Any) -> bool:
+        """Send a command to a live worker; False if it cannot take it."""
+        w = self.workers.get(worker_id)
+        return w is not None and w.status is not WorkerStatus.DEAD and self._send(w, msg)
+
+    def abort(self, req_id: str) -> None:
+        """Tell its workers to drop the request and free its pages; no-op once it has finished."""
+        stream = self.streams.get(req_id)
+        if stream is not None:
+            self._end(stream)
+
+    def fail(self, req_id: str, message: str) -> None:
+        """End a request with a 503 (`message`); its workers are told to drop it."""
+        stream = self.streams.get(req_id)
+        if stream is not None:
+            stream.queue.put_nowait(StreamFailure(message))
+            self._end(stream)
+
+    def _end(self, stream: RequestStream, finished_on: str | None = None) -> None:
+        """The stream is over: every worker still holding a part of it (but the one it finished
+        on, which released it itself) is told to drop it."""
         stream.done = True
         self.streams.pop(stream.req_id, None)
-        w = self.workers.get(stream.worker_id)
-        if w is not None:
+        for worker_id in stream.workers:
+            w = self.workers.get(worker_id)
+            if w is None:
+                continue
             w.inflight.discard(stream.req_id)
+            if worker_id != finished_on and w.status is not WorkerStatus.DEAD:
+                self._send(w, AbortRequest(stream.req_id))
 
     def mark_dead(self, worker_id: str, reason: str) -> None:
         """The worker is gone (process exited, fatal error): fail its requests, drop it from rotation."""
@@ -188,13 +252,12 @@ class WorkerPool:
         if w.push is not None:
             w.push.close()
             w.push = None
+        for listener in self.listeners:
+            listener.on_dead(w)
 
     def _fail_inflight(self, w: WorkerHandle, message: str) -> None:
         for req_id in list(w.inflight):
-            stream = self.streams.get(req_id)
-            if stream is not None:
-                stream.queue.put_nowait(StreamFailure(message))
-                self._end(stream)
+            self.fail(req_id, message)
         w.inflight.clear()
 
     # --- receiving -------------------------------------------------------------------------
@@ -207,7 +270,7 @@ class WorkerPool:
                 continue
             self._dispatch(msg)
 
-    def _dispatch(self, msg: WorkerHello | LoadReport | StepOutputs | WorkerError) -> None:
+    def _dispatch(self, msg: Any) -> None:
         w = self.workers.get(msg.worker_id)
         if isinstance(msg, WorkerHello):
             w = self._hello(msg)
@@ -217,10 +280,8 @@ class WorkerPool:
         if isinstance(msg, StepOutputs):
             for delta in msg.deltas:
                 stream = self.streams.get(delta.req_id)
-                if stream is not None and stream.worker_id == w.worker_id:
-                    stream.queue.put_nowait(delta)
-                    if delta.finished:
-                        self._end(stream)
+                if stream is not None and w.worker_id in stream.workers:
+                    self._deliver(stream, w.worker_id, delta)
         elif isinstance(msg, LoadReport):
             w.load = msg
         elif isinstance(msg, WorkerError):
@@ -228,9 +289,29 @@ class WorkerPool:
                 self.mark_dead(w.worker_id, msg.message)
                 return
             log.warning("worker %s: %s", w.worker_id, msg.message)
+            if msg.req_id is not None:
+                self.fail(msg.req_id, f"worker {w.worker_id}: {msg.message}")
+        for listener in self.listeners:
+            listener.on_message(w, msg)
         if w.status in (WorkerStatus.UNRESPONSIVE, WorkerStatus.STARTING) and w.push is not None:
             log.info("worker %s is in rotation", w.worker_id)
             w.status = WorkerStatus.HEALTHY
+
+    def _deliver(self, stream: RequestStream, worker_id: str, delta: TokenDelta) -> None:
+        if stream.first_from is not None:
+            if worker_id != stream.first_from:
+                stream.held.append(delta)  # a later token overtook the first one: keep the order
+                return
+            stream.first_from = None
+            deltas = [delta, *stream.held]
+            stream.held.clear()
+        else:
+            deltas = [delta]
+        for d in deltas:
+            stream.queue.put_nowait(d)
+            if d.finished:
+                self._end(stream, finished_on=worker_id if d is delta else None)
+                return
 
     def _hello(self, msg: WorkerHello) -> WorkerHandle:
         w = self.workers.setdefault(msg.worker_id, WorkerHandle(msg.worker_id))
@@ -239,6 +320,7 @@ class WorkerPool:
         if w.push is not None:
             w.push.close()
         w.address, w.pid, w.max_model_len, w.error = msg.address, msg.pid, msg.max_model_len, None
+        w.role = msg.role
         w.push = PushQueue(self._sctx, msg.address, TO_WORKER)
         w.status = WorkerStatus.STARTING  # HEALTHY right below, in _dispatch
         log.info("worker %s (pid %d) at %s, max_model_len %d", msg.worker_id, msg.pid, msg.address,
@@ -261,7 +343,7 @@ class WorkerPool:
                 w.status = WorkerStatus.UNRESPONSIVE
             self._send(w, HealthCheck(self._seq))
 
-    def _send(self, w: WorkerHandle, msg: SubmitRequest | AbortRequest | HealthCheck | Shutdown) -> bool:
+    def _send(self, w: WorkerHandle, msg: Any) -> bool:
         if w.push is None:
             return False
         try:

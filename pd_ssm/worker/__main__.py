@@ -11,17 +11,23 @@ import argparse
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 
 from pd_ssm.cli import _engine_flags, llm_from_args
+from pd_ssm.engine.engine import Engine
 from pd_ssm.worker.engine_worker import EngineWorker, WorkerConfig
+from pd_ssm.worker.role import WorkerRole
 
 log = logging.getLogger("pd_ssm.worker")
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pd_ssm.worker", description=__doc__)
+# (parsed flags, engine, worker id) -> the role composed into the worker loop
+RoleFactory = Callable[[argparse.Namespace, Engine, str], WorkerRole]
+
+
+def parser(prog: str = "python -m pd_ssm.worker", doc: str | None = __doc__) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=doc)
     _engine_flags(p)
     p.add_argument("--worker-id", required=True)
     p.add_argument("--router", required=True, help="the router's control address, tcp://HOST:PORT")
@@ -33,12 +39,17 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    return run(parser().parse_args(argv), None)
+
+
+def run(args: argparse.Namespace, make_role: RoleFactory | None) -> int:
+    """Build the engine (and the role, if any), serve until Shutdown or a signal; the exit status."""
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s worker[{args.worker_id}] %(message)s")
     config = WorkerConfig(worker_id=args.worker_id, router_address=args.router, host=args.host,
                           model_name=args.served_model_name, parent_pid=args.parent_pid)
     llm = llm_from_args(args)
-    worker = EngineWorker(llm.engine, config)
+    role = make_role(args, llm.engine, args.worker_id) if make_role is not None else None
+    worker = EngineWorker(llm.engine, config, role=role)
 
     def stop(signum: int, frame: FrameType | None) -> None:
         # SIGTERM from the launcher, or Ctrl-C: leave the loop after this step, close sockets, exit 0

@@ -1,4 +1,5 @@
-"""EngineWorker: one colocated Engine driven by the router's control messages.
+"""EngineWorker: one Engine driven by the router's control messages (colocated, or in a
+prefill / decode role composed in: role.py).
 
 The loop is single-threaded (the engine is not thread-safe): drain every command that arrived,
 run one engine step when there is work, send that step's token deltas as one StepOutputs.  With
@@ -35,6 +36,7 @@ from pd_ssm.control.messages import (
 from pd_ssm.control.queues import PullQueue, PushQueue
 from pd_ssm.engine.engine import Engine, RequestError
 from pd_ssm.outputs import RequestOutput
+from pd_ssm.worker.role import WorkerRole
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +75,12 @@ def delta_from_output(out: RequestOutput) -> TokenDelta:
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, config: WorkerConfig, ctx: zmq.Context | None = None) -> None:
+    def __init__(
+        self, engine: Engine, config: WorkerConfig, ctx: zmq.Context | None = None, role: WorkerRole | None = None
+    ) -> None:
         self.engine = engine
         self.config = config
+        self.role = role
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.Context()
         self.commands = PullQueue(self._ctx, config.host, TO_WORKER)
@@ -86,14 +91,21 @@ class EngineWorker:
     def run(self) -> None:
         """Serve until Shutdown; exceptions other than a refused request propagate (see module doc)."""
         cfg = self.config
-        self.to_router.send(WorkerHello(cfg.worker_id, self.commands.address, os.getpid(),
-                                        cfg.model_name, self.engine.max_model_len))
+        role = self.role
+        self.to_router.send(WorkerHello(cfg.worker_id, self.commands.address, os.getpid(), cfg.model_name,
+                                        self.engine.max_model_len, role.name if role else "colocated"))
         self._send_load(-1)
         try:
+            if role is not None:
+                role.start(self.to_router.send)
             while self._running:
                 busy = self.engine.has_unfinished()
-                if busy or self.commands.poll(cfg.idle_poll_ms):
+                # NOTE: transfers in flight progress only in this loop: then wait 1 ms, never idle_poll_ms
+                wait = 1 if role is not None and role.pending() else cfg.idle_poll_ms
+                if busy or self.commands.poll(wait):
                     self._drain_commands()
+                if self._running and role is not None and role.progress():
+                    self._send_load(-1)
                 if self._running and self.engine.has_unfinished():
                     self._step()
                 elif cfg.parent_pid is not None and os.getppid() != cfg.parent_pid:
@@ -110,6 +122,8 @@ class EngineWorker:
         self._running = False
 
     def close(self) -> None:
+        if self.role is not None:
+            self.role.close()
         self.commands.close()
         self.to_router.close()
         if self._own_ctx:
@@ -121,6 +135,10 @@ class EngineWorker:
             msg = self.commands.recv_nowait()
             if msg is None:
                 return
+            if self.role is not None and self.role.handle(msg):
+                if isinstance(msg, AbortRequest):
+                    self._send_load(-1)
+                continue
             if isinstance(msg, SubmitRequest):
                 self._submit(msg)
             elif isinstance(msg, AbortRequest):
@@ -133,6 +151,9 @@ class EngineWorker:
                 for req_id in list(self.engine.requests):
                     self.engine.abort(req_id)
                 self._running = False
+            else:
+                log.warning("worker %s: %s is not a command of this role; ignored", self.config.worker_id,
+                            type(msg).__name__)
 
     def _submit(self, msg: SubmitRequest) -> None:
         try:
@@ -156,7 +177,10 @@ class EngineWorker:
             self.to_router.send(StepOutputs(self.config.worker_id, [delta_from_output(o) for o in outs]))
 
     def _send_load(self, seq: int) -> None:
-        self.to_router.send(load_report(self.engine, self.config.worker_id, seq, self._steps))
+        report = load_report(self.engine, self.config.worker_id, seq, self._steps)
+        if self.role is not None:
+            report.reserved, report.transfers = self.role.reserved, self.role.transfers
+        self.to_router.send(report)
 
     def _report_fatal(self, e: BaseException) -> None:
         if isinstance(e, KeyboardInterrupt | SystemExit):

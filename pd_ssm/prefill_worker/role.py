@@ -1,0 +1,145 @@
+"""PrefillRole: the engine streams every finished prefill to a decode worker (DESIGN.md steps 2-3).
+
+The engine runs in the prefill role (`Engine.stream_prefills_to`): a request's first token is a
+step output like any other -- the worker loop sends it to the router at once (TTFT) -- and its
+pages go layer by layer to this role (a PageSink), which passes them to a ConnectorSink.  The
+ticket (ForwardTicket) may come before or after the prefill: the ConnectorSink holds what is
+ready until it does.
+
+A request is `live` here from its PrefillRequest until exactly one of: its transfer is sent
+(TransferReport ok), it fails (TransferReport not ok: expired ticket, peer gone), it finishes at
+its first token or is aborted (the sink's `cancel`).  The engine frees its pages as soon as they
+are shipped; what stays is the connector's host copy, released by the same events.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from pd_ssm.cache.pages import LayerPages, RequestState
+from pd_ssm.control.disagg_messages import ForwardTicket, PrefillRequest, TicketSpec, TransferReport
+from pd_ssm.control.messages import AbortRequest, StepOutputs, SubmitRequest, TokenDelta
+from pd_ssm.engine.engine import Engine, RequestError
+from pd_ssm.prefill_worker.fanout import FanoutConnector
+from pd_ssm.state_transfer.base import Connector, Ticket
+from pd_ssm.state_transfer.connector_sink import ConnectorSink
+
+log = logging.getLogger(__name__)
+
+
+def ticket_of(spec: TicketSpec) -> Ticket:
+    return Ticket(spec.req_id, spec.address, spec.slot, list(spec.block_ids), spec.expiry, spec.token)
+
+
+class PrefillRole:
+    name = "prefill"
+
+    def __init__(self, engine: Engine, connector: Connector, worker_id: str) -> None:
+        self.engine = engine
+        self.connector = connector
+        self.worker_id = worker_id
+        self.sink = ConnectorSink(connector)
+        self.live: set[str] = set()
+        self._send: Callable[[Any], None] = _unstarted
+        engine.stream_prefills_to(self)
+
+    def start(self, send: Callable[[Any], None]) -> None:
+        self._send = send
+
+    # --- PageSink: the engine's exporter calls these ------------------------------------------
+    def send_layers(self, req_id: str, layers: list[LayerPages]) -> None:
+        self.sink.send_layers(req_id, layers)
+
+    def finish(self, request: RequestState) -> None:
+        self.sink.finish(request)
+
+    def cancel(self, req_id: str) -> None:
+        # finished at its first token, or aborted: nothing will be sent for it
+        self.live.discard(req_id)
+        self.sink.cancel(req_id)
+
+    # --- commands ------------------------------------------------------------------------------
+    def handle(self, msg: Any) -> bool:
+        if isinstance(msg, PrefillRequest):
+            self._prefill(msg)
+        elif isinstance(msg, ForwardTicket):
+            self._ticket(msg)
+        elif isinstance(msg, AbortRequest):
+            if self.engine.abort(msg.req_id) is None:  # not in the engine: maybe in the sink / connector
+                self.cancel(msg.req_id)
+        elif isinstance(msg, SubmitRequest):
+            self._refuse(msg.req_id, len(msg.prompt_token_ids), "this is a prefill worker: send PrefillRequest")
+        else:
+            return False
+        return True
+
+    def _prefill(self, msg: PrefillRequest) -> None:
+        try:
+            self.engine.add_request(msg.prompt_token_ids, msg.params, request_id=msg.req_id)
+        except RequestError as e:
+            self._refuse(msg.req_id, len(msg.prompt_token_ids), str(e))
+            return
+        self.live.add(msg.req_id)
+
+    def _ticket(self, msg: ForwardTicket) -> None:
+        spec = msg.ticket
+        if spec.req_id not in self.live:
+            return  # finished at its first token or aborted meanwhile; D's reservation is the router's to drop
+        try:
+            if isinstance(self.connector, FanoutConnector):
+                self.connector.add_peer(spec.address, spec.rendezvous)
+            self.sink.expect(ticket_of(spec))
+        except (ValueError, RuntimeError) as e:  # no pairing with that decode worker, a second ticket
+            self._fail(spec.req_id, f"cannot send to decode worker {msg.decode_id}: {e}")
+
+    def _refuse(self, req_id: str, prompt_tokens: int, why: str) -> None:
+        delta = TokenDelta(req_id, [], "", prompt_tokens, 0, finish_reason="error", error=why)
+        self._send(StepOutputs(self.worker_id, [delta]))
+
+    # --- transfers -----------------------------------------------------------------------------
+    def progress(self) -> bool:
+        sent, _ = self.connector.get_finished()
+        failed = {**self.connector.get_failed(), **self.sink.take_failed()}
+        take_stats = getattr(self.connector, "get_stats", None)
+        stats = take_stats() if take_stats is not None else {}
+        for req_id in sent:
+            if req_id in self.live:
+                self.live.discard(req_id)
+                st = stats.get(req_id)
+                self._send(TransferReport(self.worker_id, req_id, self.name, True,
+                                          st.nbytes if st else 0, st.seconds if st else 0.0))
+        for req_id, why in failed.items():
+            if req_id in self.live:
+                self._fail(req_id, why)
+            elif req_id.startswith("!"):
+                log.warning("prefill worker %s: transfer failure: %s", self.worker_id, why)
+        return bool(sent or failed)
+
+    def _fail(self, req_id: str, why: str) -> None:
+        log.warning("prefill worker %s: transfer of %s failed: %s", self.worker_id, req_id, why)
+        self.live.discard(req_id)
+        if self.engine.abort(req_id) is None:
+            self.sink.cancel(req_id)
+        self._send(TransferReport(self.worker_id, req_id, self.name, False, error=why))
+
+    def pending(self) -> bool:
+        return self.transfers > 0
+
+    @property
+    def reserved(self) -> int:
+        return 0
+
+    @property
+    def transfers(self) -> int:
+        """Requests whose prefill is done and whose pages have not all left (waiting for a ticket,
+        or in the connector)."""
+        return len(self.live - self.engine.requests.keys())
+
+    def close(self) -> None:
+        self.connector.close()
+
+
+def _unstarted(msg: Any) -> None:
+    raise RuntimeError("PrefillRole.start was not called: the worker loop gives the role its router queue")
