@@ -8,7 +8,6 @@ whole-request export bit for bit, and requests that end early give every page ba
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from pd_ssm.engine.engine import Engine
 from pd_ssm.state_transfer.base import Ticket
 from pd_ssm.state_transfer.connector_sink import ConnectorSink
 from pd_ssm.state_transfer.reservations import ReservationTable
-from pd_ssm.state_transfer.zmq_connector import ZmqConfig, ZmqConnector
+from pd_ssm.state_transfer.zmq_connector import ZmqConnector
 from tests.conftest import needs_cuda, random_prompts
 from tests.state_transfer.test_engine_transfer import (
     TOKEN,
@@ -57,23 +56,6 @@ class RecordingSink:
         (state,) = [c[2] for c in self.calls if c[:2] == ("finish", req_id)]
         layers = {p.layer_idx: p for c in self.calls if c[:2] == ("layers", req_id) for p in c[2]}
         return StatePages(state, dict(sorted(layers.items())))
-
-
-@pytest.fixture
-def table() -> ReservationTable:
-    return ReservationTable(ttl=30.0, token=TOKEN)
-
-
-@pytest.fixture
-def rx(table: ReservationTable) -> Iterator[ZmqConnector]:
-    with ZmqConnector(ZmqConfig(TOKEN), bind="tcp://127.0.0.1:0", reservations=table) as c:
-        yield c
-
-
-@pytest.fixture
-def tx() -> Iterator[ZmqConnector]:
-    with ZmqConnector(ZmqConfig(TOKEN, send_timeout=5.0)) as c:
-        yield c
 
 
 def prefill_streaming(src: Engine, prompts: dict[str, list[int]], params: SamplingParams) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,23 +94,6 @@ def recv_all(rx: ZmqConnector, tx: ZmqConnector | None, n: int, timeout: float) 
             got[p.req_id] = p
     assert rx.get_failed() == {}
     return got
-
-
-@pytest.fixture
-def table() -> ReservationTable:
-    return ReservationTable(ttl=30.0, token=TOKEN)
-
-
-@pytest.fixture
-def rx(table: ReservationTable) -> Iterator[ZmqConnector]:
-    with ZmqConnector(ZmqConfig(TOKEN), bind="tcp://127.0.0.1:0", reservations=table) as c:
-        yield c
-
-
-@pytest.fixture
-def tx() -> Iterator[ZmqConnector]:
-    with ZmqConnector(ZmqConfig(TOKEN, send_timeout=5.0)) as c:
-        yield c
 
 
 def transfer(

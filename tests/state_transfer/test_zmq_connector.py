@@ -6,7 +6,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import socket
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -68,23 +67,6 @@ def recv_one(rx: ZmqConnector, tx: ZmqConnector | None = None, timeout: float = 
         if got is not None:
             return got
     return None
-
-
-@pytest.fixture
-def table() -> ReservationTable:
-    return ReservationTable(ttl=30.0, token=TOKEN)
-
-
-@pytest.fixture
-def rx(table: ReservationTable) -> Iterator[ZmqConnector]:
-    with ZmqConnector(ZmqConfig(TOKEN), bind="tcp://127.0.0.1:0", reservations=table) as c:
-        yield c
-
-
-@pytest.fixture
-def tx() -> Iterator[ZmqConnector]:
-    with ZmqConnector(ZmqConfig(TOKEN, send_timeout=1.0)) as c:
-        yield c
 
 
 def good_request(rx: ZmqConnector, tx: ZmqConnector, table: ReservationTable, req_id: str = "good") -> None:

@@ -8,7 +8,6 @@ receiving side with nothing held, and both peers keep serving.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,23 +17,6 @@ from pd_ssm.state_transfer.base import Ticket
 from pd_ssm.state_transfer.reservations import ReservationTable
 from pd_ssm.state_transfer.zmq_connector import ZmqConfig, ZmqConnector
 from tests.state_transfer.test_zmq_connector import TOKEN, assert_same, good_request, make_pages, recv_one
-
-
-@pytest.fixture
-def table() -> ReservationTable:
-    return ReservationTable(ttl=30.0, token=TOKEN)
-
-
-@pytest.fixture
-def rx(table: ReservationTable) -> Iterator[ZmqConnector]:
-    with ZmqConnector(ZmqConfig(TOKEN), bind="tcp://127.0.0.1:0", reservations=table) as c:
-        yield c
-
-
-@pytest.fixture
-def tx() -> Iterator[ZmqConnector]:
-    with ZmqConnector(ZmqConfig(TOKEN, send_timeout=1.0)) as c:
-        yield c
 
 
 def stream(tx: ZmqConnector, pages: StatePages, groups: list[list[int]], rest: list[int], ticket: Ticket) -> None:
