@@ -67,6 +67,8 @@ class LocalDeployment:
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ValueError(f"--num-workers must be >= 1, got {self.num_workers}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in 0..65535 (0: pick a free one), got {self.port}")
         if self.disagg and (self.num_prefill < 1 or self.num_decode < 1):
             raise ValueError(f"--disagg needs --num-prefill >= 1 and --num-decode >= 1, got "
                              f"{self.num_prefill} and {self.num_decode}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import msgpack
 import pytest
@@ -11,6 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pd_ssm.control.codec import Codec, CodecError
+from pd_ssm.control.disagg_messages import (
+    ForwardTicket,
+    PrefillRequest,
+    ReserveReply,
+    ReserveRequest,
+    TicketSpec,
+    TransferReport,
+)
 from pd_ssm.control.messages import (
     CONTROL_CODEC,
     AbortRequest,
@@ -24,7 +31,6 @@ from pd_ssm.control.messages import (
     WorkerHello,
 )
 from pd_ssm.sampling_params import SamplingParams
-from pd_ssm.state_transfer.base import Ticket
 
 ids = st.lists(st.integers(0, 1 << 20), max_size=50)
 text = st.text(max_size=40)
@@ -64,22 +70,32 @@ def test_every_message_round_trips(msg: object) -> None:
     assert back == msg
 
 
-def test_nested_foreign_dataclasses_travel_too() -> None:
-    """The later Reserve / Ticket / Prefill messages: a codec given their classes carries them nested."""
-
-    @dataclass(slots=True)
-    class Prefill:
-        TAG = "prefill"
-        request: SubmitRequest
-        ticket: Ticket | None
-
-    codec = Codec([*CONTROL_CODEC.types, Ticket, Prefill])
+def test_disaggregated_messages_round_trip_nested() -> None:
+    """Reserve / Ticket / Prefill messages carry a TicketSpec or SamplingParams nested."""
     rng = random.Random()
-    msg = Prefill(SubmitRequest("r1", [rng.randrange(500) for _ in range(9)], SamplingParams(seed=rng.randrange(99))),
-                  Ticket("r1", "tcp://127.0.0.1:1", rng.randrange(8), [rng.randrange(64)], 12.5, "tok"))
-    assert codec.decode(codec.encode(msg)) == msg
-    with pytest.raises(CodecError, match="Prefill is not a message type"):
-        CONTROL_CODEC.encode(msg)  # the colocated codec does not know it
+    spec = TicketSpec("r1", f"tcp://127.0.0.1:{rng.randrange(1024, 65536)}", rng.randrange(8),
+                      [rng.randrange(64) for _ in range(rng.randint(0, 5))], rng.uniform(0, 1e6), "tok",
+                      rendezvous=rng.choice(["", "tcp://127.0.0.1:4242"]))
+    msgs = [
+        ReserveRequest("r1", "p0", rng.randint(1, 4096)),
+        ReserveReply("d0", "r1", spec),
+        ReserveReply("d1", "r2", None, "no free state slot"),
+        PrefillRequest("r1", [rng.randrange(500) for _ in range(9)], SamplingParams(seed=rng.randrange(99))),
+        ForwardTicket(spec, "d0"),
+        TransferReport("p0", "r1", "prefill", True, rng.randrange(1 << 30), rng.random()),
+        TransferReport("d0", "r1", "decode", False, error="expired"),
+    ]
+    for msg in msgs:
+        assert CONTROL_CODEC.decode(CONTROL_CODEC.encode(msg)) == msg
+    with pytest.raises(CodecError, match="num_tokens must be > 0"):
+        CONTROL_CODEC.decode(_with_tokens(msgs[0], 0))
+
+
+def _with_tokens(msg: ReserveRequest, n: int) -> bytes:
+    """A ReserveRequest frame whose num_tokens is `n`, built past the constructor's check."""
+    fields = {"req_id": msg.req_id, "prefill_id": msg.prefill_id, "num_tokens": n}
+    inner = msgpack.packb(["reserve", fields], use_bin_type=True)
+    return msgpack.packb(msgpack.ExtType(1, inner), use_bin_type=True)
 
 
 def test_garbage_and_foreign_frames_are_refused() -> None:

@@ -108,7 +108,7 @@ def default_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
             os.environ["PD_SSM_CACHE"] = old
 
 
-def start_serve(model: Path, log: Path, *extra: str, workers: int = 1) -> Serve:
+def start_serve(model: Path, log: Path, *extra: str, workers: int = 1, timeout: float = START_TIMEOUT) -> Serve:
     cmd = [sys.executable, "-m", "pd_ssm.cli", "serve", "--model", str(model), "--port", "0",
            "--num-workers", str(workers), "--health-interval", "0.2", "--health-timeout", "1.5",
            *ENGINE_FLAGS, *extra]
@@ -123,7 +123,7 @@ def start_serve(model: Path, log: Path, *extra: str, workers: int = 1) -> Serve:
         raise RuntimeError(f"no address from pd-ssm serve: {line!r}\n{log.read_text()[-3000:]}")
     serve = Serve(proc, m.group(1), log)
     try:
-        serve.wait_healthy(workers)
+        serve.wait_healthy(workers, timeout)
     except Exception:
         serve.stop()
         raise
@@ -152,3 +152,28 @@ def api_server(tmp_path_factory: pytest.TempPathFactory, default_model: Path) ->
     s.api_key = key
     yield s
     s.stop()
+
+
+DISAGG_START_TIMEOUT = 50.0  # seconds: 2-4 engine processes load at once (CI machines have few cores)
+
+
+def start_disagg(model: Path, log: Path, *extra: str, prefill: int = 1, decode: int = 1,
+                 connector: str = "zmq") -> Serve:
+    """`pd-ssm serve --disagg` with `prefill` + `decode` workers; returns once all are healthy."""
+    return start_serve(model, log, "--disagg", "--num-prefill", str(prefill), "--num-decode", str(decode),
+                       "--connector", connector, *extra, workers=prefill + decode, timeout=DISAGG_START_TIMEOUT)
+
+
+def pool_metrics(serve: Serve, worker: str) -> dict[str, float | None]:
+    """The page gauges of one worker, as /metrics shows them."""
+    names = ["pd_ssm_state_slots_used", "pd_ssm_kv_blocks_used", "pd_ssm_state_slots_reserved",
+             "pd_ssm_transfers_in_flight", "pd_ssm_pool_invariant_ok", "pd_ssm_num_requests_running",
+             "pd_ssm_num_requests_waiting"]
+    return {n: serve.metric(n, worker) for n in names}
+
+
+def pools_empty(serve: Serve, worker: str) -> bool:
+    """No page held, none reserved, nothing in transfer, invariant checked by the worker."""
+    m = pool_metrics(serve, worker)
+    return m["pd_ssm_pool_invariant_ok"] == 1.0 and all(
+        m[n] == 0.0 for n in m if n != "pd_ssm_pool_invariant_ok")

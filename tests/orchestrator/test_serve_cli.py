@@ -43,6 +43,20 @@ def test_bad_serve_flags_fail_early(capsys: pytest.CaptureFixture[str]) -> None:
         LocalDeployment(model_dir="m", served_model_name="m", num_workers=0)
     with pytest.raises(ValueError, match="port"):
         LocalDeployment(model_dir="m", served_model_name="m", port=70000)
+    with pytest.raises(ValueError, match="num-decode"):
+        LocalDeployment(model_dir="m", served_model_name="m", disagg=True, num_decode=0)
+    with pytest.raises(ValueError, match="connector"):
+        LocalDeployment(model_dir="m", served_model_name="m", disagg=True, connector="tcp")
+    with pytest.raises(ValueError, match="gpus"):
+        LocalDeployment(model_dir="m", served_model_name="m", disagg=True, num_prefill=2, gpus=[0, 1])
+    assert main(["serve", "--disagg", "--decode-routing-policy", "slowest", "--port", "0"]) == 2
+    assert "unknown routing policy" in capsys.readouterr().err
+
+
+def test_disagg_deployment_names_its_workers_by_role() -> None:
+    dep = LocalDeployment(model_dir="m", served_model_name="m", disagg=True, num_prefill=2, num_decode=3)
+    assert dep.worker_ids() == ["p0", "p1", "d0", "d1", "d2"] and dep.num_processes == 5
+    assert LocalDeployment(model_dir="m", served_model_name="m", num_workers=2).worker_ids() == ["w0", "w1"]
 
 
 def test_port_zero_gets_a_free_port() -> None:
