@@ -28,10 +28,9 @@ from tests.state_transfer.test_engine_transfer import (
     assert_clean,
     colocated,
     engine,
+    import_and_decode,
     params_for,
     prefill,
-    recv_all,
-    run_to_end,
 )
 
 MODELS = ["mamba2-g1", "bamba-attn-middle", "nemotron-h"]
@@ -134,15 +133,8 @@ def disaggregated(
     for rid in late:
         sink.expect(tickets[rid])
     assert sink.num_waiting == 0
-    got = recv_all(rx, tx, len(prompts), timeout=10.0)
-    assert sorted(got) == sorted(prompts)
-    for pages in got.values():
-        dst.import_reserved(pages)
-    assert tx.flush(2.0) and tx.get_finished()[0] == set(prompts) and tx.get_failed() == {}
-    assert len(table) == 0 and sink.take_failed() == {}
-    done = run_to_end(dst)
-    assert_clean(src)
-    assert_clean(dst)
+    done = import_and_decode(src, dst, rx, tx, table, tickets)
+    assert sink.take_failed() == {}
     return done
 
 

@@ -108,13 +108,21 @@ def transfer(
         tickets[rid] = table.reserve(rid, rx.address, slot, blocks)
     for rid, pages in prefill(src, prompts, params).items():
         tx.send(pages, tickets[rid])
-    got = recv_all(rx, tx, len(prompts), timeout=10.0)
-    assert sorted(got) == sorted(prompts)
+    return import_and_decode(src, dst, rx, tx, table, tickets)
+
+
+def import_and_decode(
+    src: Engine, dst: Engine, rx: ZmqConnector, tx: ZmqConnector, table: ReservationTable, tickets: dict[str, Ticket]
+) -> dict[str, list[int]]:
+    """Receive every ticket's request on dst, import it into exactly its reservation and decode to
+    the end; the sender reports each sent, and both engines end with nothing held."""
+    got = recv_all(rx, tx, len(tickets), timeout=10.0)
+    assert sorted(got) == sorted(tickets)
     for pages in got.values():
         req = dst.import_reserved(pages)
         ticket = tickets[pages.req_id]
         assert dst.cache.slot(req.req_id) == ticket.slot and dst.cache.block_table(req.req_id) == ticket.block_ids
-    assert tx.flush(2.0) and tx.get_finished()[0] == set(prompts) and tx.get_failed() == {}
+    assert tx.flush(2.0) and tx.get_finished()[0] == set(tickets) and tx.get_failed() == {}
     assert len(table) == 0
     done = run_to_end(dst)
     assert_clean(src)
