@@ -1,8 +1,10 @@
 """Triton launcher of the Mamba2 SSD chunked scan over a varlen batch.
 
 Same contract as `ssd.mamba_chunk_scan_varlen_ref` (signature, semantics, ScanOutput); the kernels
-are in `ssd_triton_kernels.py` and `ssd_triton_scan.py`. Four launches: chunk metadata, chunk states (dt' and its cumsum
-fused in), state passing along each sequence, chunk scan (the C B^T product fused in).
+are in `ssd_triton_kernels.py`, `ssd_triton_bmm.py` and `ssd_triton_scan.py`. Four launches: chunk
+metadata, chunk states (dt' and its cumsum fused in), state passing along each sequence, chunk scan
+(the C B^T product fused in); with SSDConfig.scan_cb != "fused", a fifth launch makes C B^T once per
+(chunk, group) and the scan loads it.
 
 No host synchronization unless return_boundary_states is set: the logical-chunk grid is sized by
 an upper bound computed from shapes alone, and programs past the real count exit at once. The
@@ -22,6 +24,7 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
 from pd_ssm.kernels.ssd import NO_DT_LIMIT, ScanOutput, _check_scan_args
+from pd_ssm.kernels.ssd_triton_bmm import _ssd_chunk_cb_kernel
 from pd_ssm.kernels.ssd_triton_kernels import (
     _ssd_chunk_meta_kernel,
     _ssd_chunk_state_kernel,
@@ -54,6 +57,22 @@ class SSDConfig:
     scan_stages: int = 3
     pass_block: int = 512  # state elements (of headdim * dstate) per program
     pass_warps: int = 4
+    # C B^T of each (chunk, group): "fused" = made per head inside the scan kernel; "fp32" / "low" =
+    # made once by a fifth launch into a [K, G, Q, Q] tensor in fp32 / the dot dtype, then loaded
+    scan_cb: str = "fused"
+    scan_head_loop: int = 1  # sets of scan_heads heads run one after the other by one scan program
+    chunk_states_low: bool = False  # chunk end states (state -> passing kernel) in the dot dtype
+    # register cap of the scan kernel (ptxas .maxnreg): 128 at 4 warps keeps 4 programs per SM
+    scan_maxnreg: int | None = None
+    cb_block: int = 64  # rows and columns of C B^T per program of the CB kernel
+    cb_warps: int = 4
+
+    def __post_init__(self) -> None:
+        if self.scan_cb not in ("fused", "fp32", "low"):
+            raise ValueError(f"SSDConfig.scan_cb must be 'fused', 'fp32' or 'low', not {self.scan_cb!r}")
+        if self.scan_heads not in (1, 2, 4) or self.scan_head_loop < 1:
+            raise ValueError(f"SSDConfig: scan_heads must be 1, 2 or 4 and scan_head_loop >= 1 "
+                             f"(got {self.scan_heads}, {self.scan_head_loop})")
 
 
 # NOTE: fp32 dots are IEEE (FMA, no tensor cores) and hold larger tiles in registers: smaller
@@ -150,8 +169,14 @@ def ssd_scan_with_config(
     # scratch: one int32 and one fp32 allocation, carved into views
     meta = torch.empty(4 * K + 3 * S + 1, dtype=torch.int32, device=dev)
     chunk_info, seq_first, seq_end, bcu = meta.split([4 * K, S, S, S + 1])
-    work = torch.empty(2 * H * K * Q + K * H * PN, dtype=torch.float32, device=dev)
-    dt_buf, cs_buf, states = work.split([H * K * Q, H * K * Q, K * H * PN])
+    cfg = config or default_config(dot_dtype)
+    # NOTE: low chunk states halve the largest round trip (K H P N values written, then read);
+    # each is rounded once, before the fp32 sum along the sequence
+    low_states = cfg.chunk_states_low and dot_dtype != torch.float32
+    work = torch.empty(2 * H * K * Q + (0 if low_states else K * H * PN), dtype=torch.float32, device=dev)
+    dt_buf, cs_buf, states = work.split([H * K * Q, H * K * Q, 0 if low_states else K * H * PN])
+    if low_states:
+        states = torch.empty(K * H * PN, dtype=dot_dtype, device=dev)  # each chunk's own end state
     starts = torch.empty(K * H * PN, dtype=dot_dtype, device=dev)  # the state entering each chunk
 
     _ssd_chunk_meta_kernel[(1,)](
@@ -164,7 +189,6 @@ def ssd_scan_with_config(
     dot = dict(DOT_DTYPE=_DOT_DTYPES[dot_dtype], DOT_PRECISION="ieee" if dot_dtype == torch.float32 else "tf32",
                INTERPRETED=_INTERPRETED)
     BP, BN = _block(P, 256), _block(N, 256)
-    cfg = config or default_config(dot_dtype)
     state_bn = _block(N, cfg.state_block_n)
     _ssd_chunk_state_kernel[(H, K, triton.cdiv(N, state_bn))](
         x, dt, A, dt_bias, B, chunk_info, dt_buf, cs_buf, states,
@@ -190,15 +214,33 @@ def ssd_scan_with_config(
         num_warps=cfg.pass_warps,
     )
 
+    cb_loaded = cfg.scan_cb != "fused"
+    if cb_loaded:
+        # fp32 dots (fp32 inputs) keep C B^T in fp32 whatever scan_cb says
+        cb_dtype = torch.float32 if cfg.scan_cb == "fp32" else dot_dtype
+        cb = torch.empty((K, G, Q, Q), dtype=cb_dtype, device=dev)  # [K, G, Q, Q], s <= l < L written
+        cb_blk = _block(Q, cfg.cb_block)
+        _ssd_chunk_cb_kernel[(triton.cdiv(Q, cb_blk), triton.cdiv(Q, cb_blk), K * G)](
+            C, B, chunk_info, cb, K, G, N, C.stride(0), C.stride(1), B.stride(0), B.stride(1),
+            # NOTE: IEEE fp32 dots run on FMA units from registers: narrower dstate steps keep them
+            # from spilling (ptxas, sm_90: 255 registers + stack at 128)
+            CHUNK=Q, BLOCK=cb_blk, BLOCK_N=_block(N, 32 if dot_dtype == torch.float32 else 128),
+            num_warps=cfg.cb_warps, **dot,
+        )
+    else:
+        cb = out  # never read: CB_LOADED is off
+
     block_m = _block(Q, cfg.scan_block_m)
     heads = cfg.scan_heads if (H // G) % cfg.scan_heads == 0 else 1
-    _ssd_chunk_scan_kernel[(H // heads, triton.cdiv(Q, block_m), K)](
-        x, B, C, D, dt_buf, cs_buf, starts, chunk_info, out,
-        K, H, P, N, H // G,
+    # NOTE: one program's heads must lie in one group; else fall back to one set per program
+    loop = cfg.scan_head_loop if (H // G) % (heads * cfg.scan_head_loop) == 0 else 1
+    _ssd_chunk_scan_kernel[(H // (heads * loop), triton.cdiv(Q, block_m), K)](
+        x, B, C, D, dt_buf, cs_buf, starts, chunk_info, cb, out,
+        K, H, P, N, H // G, G,
         x.stride(0), x.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
         out.stride(0), out.stride(1),
-        CHUNK=Q, HAS_D=D is not None, HEADS=heads, BLOCK_M=block_m, BLOCK_K=_block(Q, cfg.scan_block_k),
-        BLOCK_P=BP, BLOCK_N=BN, num_warps=cfg.scan_warps, num_stages=cfg.scan_stages, **dot,
+        CHUNK=Q, HAS_D=D is not None, HEADS=heads, HEAD_LOOP=loop, CB_LOADED=cb_loaded, BLOCK_M=block_m, BLOCK_K=_block(Q, cfg.scan_block_k),
+        BLOCK_P=BP, BLOCK_N=BN, num_warps=cfg.scan_warps, num_stages=cfg.scan_stages, maxnreg=cfg.scan_maxnreg, **dot,
     )
     if not return_boundary_states:
         return ScanOutput(out, None, None)

@@ -14,7 +14,8 @@ Scratch layouts (K = K_max logical chunks, Q = CHUNK, H heads, PN = headdim * ds
   chunk_info  [K, 4] int32   (sequence, first token, length (0: no such chunk), boundary row or -1)
   dt_buf      [H, K, Q] fp32 dt' (0 past the chunk's end)
   cs_buf      [H, K, Q] fp32 inclusive cumsum of dt' * A from the chunk start (flat past the end)
-  states      [K, H, PN] fp32 each chunk's end state started from zero
+  states      [K, H, PN] fp32 (or the dot dtype: chunk_states_low) each chunk's end state from zero
+  cb          [K, G, Q, Q] fp32 or dot dtype, C B^T per (chunk, group) (only with scan_cb != "fused")
   starts      [K, H, PN] dot dtype, the state entering each chunk
 """
 
@@ -195,8 +196,8 @@ def _ssd_chunk_state_kernel(
                      mask=m[:, None] & (offs_n[None, :] < dstate), other=0.0)  # [BLOCK_K, BLOCK_N]
         acc = _dot(xw, _cast(Bk, DOT_DTYPE, INTERPRETED), acc, DOT_PRECISION, INTERPRETED)
     row = (k * nheads + h) * (headdim * dstate)
-    tl.store(states_ptr + row + offs_p[:, None] * dstate + offs_n[None, :], acc,
-             mask=(offs_p[:, None] < headdim) & (offs_n[None, :] < dstate))
+    tl.store(states_ptr + row + offs_p[:, None] * dstate + offs_n[None, :],
+             _cast(acc, states_ptr.dtype.element_ty, INTERPRETED), mask=(offs_p[:, None] < headdim) & (offs_n[None, :] < dstate))
 
 
 @triton.jit(do_not_specialize=["K_max"])
@@ -221,11 +222,11 @@ def _ssd_state_passing_kernel(
     state = tl.load(pool_ptrs, mask=m & has_init, other=0.0).to(tl.float32)
 
     # one chunk ahead: the loads of chunk c+1 are in flight while chunk c is folded in
-    cst = tl.load(states_ptr + (first * nheads + h) * PN + offs, mask=m, other=0.0)
+    cst = tl.load(states_ptr + (first * nheads + h) * PN + offs, mask=m, other=0.0).to(tl.float32)
     decay = tl.exp(tl.load(cs_buf_ptr + (h * K_max + first) * CHUNK + CHUNK - 1))
     for c in range(first, end):
         nxt = c + 1 < end
-        cst_n = tl.load(states_ptr + ((c + 1) * nheads + h) * PN + offs, mask=m & nxt, other=0.0)
+        cst_n = tl.load(states_ptr + ((c + 1) * nheads + h) * PN + offs, mask=m & nxt, other=0.0).to(tl.float32)
         decay_n = tl.exp(tl.load(cs_buf_ptr + (h * K_max + c + 1) * CHUNK + CHUNK - 1, mask=nxt, other=0.0))
         tl.store(starts_ptr + (c * nheads + h) * PN + offs, _cast(state, starts_ptr.dtype.element_ty, INTERPRETED), mask=m)
         state = decay * state + cst

@@ -2,7 +2,8 @@
 
 Per (head group, row block, logical chunk): the rows' view of the state entering the chunk,
 C·state·e^{cs}, plus the causal part inside the chunk, (C B^T ∘ e^{cs_l - cs_s} dt'_s + D I) x,
-with C B^T made block by block in the kernel (no CB tensor, no bmm launch).
+with C B^T either made block by block in the kernel (no CB tensor, no bmm launch) or, with
+CB_LOADED, read from the per-(chunk, group) product of ssd_triton_bmm.py (made once, not per head).
 """
 
 from __future__ import annotations
@@ -56,26 +57,28 @@ def _scan_head_store(acc, h, out_ptr, t0, offs_m, offs_p, mm, mp, stride_o_t, st
 def _ssd_chunk_scan_kernel(
     # pointers
     x_ptr, B_ptr, C_ptr, D_ptr, dt_buf_ptr, cs_buf_ptr, starts_ptr, chunk_ptr,  # inputs
+    cb_ptr,  # input when CB_LOADED: [K_max, G, CHUNK, CHUNK] C B^T per (chunk, group)
     out_ptr,  # output
     # dimensions
-    K_max, nheads, headdim, dstate, heads_per_group,
+    K_max, nheads, headdim, dstate, heads_per_group, ngroups,
     # strides (token, head / group); the last axes have stride 1
     stride_x_t, stride_x_h, stride_B_t, stride_B_g, stride_C_t, stride_C_g, stride_o_t, stride_o_h,
     # meta-parameters
     CHUNK: tl.constexpr, HAS_D: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INTERPRETED: tl.constexpr, HEADS: tl.constexpr,
+    INTERPRETED: tl.constexpr, HEADS: tl.constexpr, HEAD_LOOP: tl.constexpr, CB_LOADED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # HEADS (1, 2 or 4) consecutive heads of one group share this program's C and B tiles and each
-    # C B^T block: the product is made once for all of them
-    h0 = tl.program_id(0) * HEADS
+    # C B^T block: the product is made once for all of them. HEAD_LOOP such sets run one after the
+    # other in the same program (longer-lived programs; with CB_LOADED the CB tiles are re-read
+    # from cache rather than recomputed).
     mb = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest row blocks start first
     k = tl.program_id(2).to(tl.int64)
     t0 = tl.load(chunk_ptr + 4 * k + 1).to(tl.int64)
     L = tl.load(chunk_ptr + 4 * k + 2)
     if mb * BLOCK_M >= L:
         return
-    g = h0 // heads_per_group
+    g = (tl.program_id(0) * (HEADS * HEAD_LOOP)) // heads_per_group
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_p = tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
@@ -85,65 +88,73 @@ def _ssd_chunk_scan_kernel(
     C_m = tl.load(C_ptr + t0 * stride_C_t + g * stride_C_g + offs_m[:, None] * stride_C_t + offs_n[None, :],
                   mask=mm[:, None] & mn[None, :], other=0.0)
     C_m = _cast(C_m, DOT_DTYPE, INTERPRETED)  # [BLOCK_M, BLOCK_N]
-    D0, D1, D2, D3 = 0.0, 0.0, 0.0, 0.0
-    if HAS_D:
-        D0 = tl.load(D_ptr + h0).to(tl.float32)
-        if HEADS >= 2:
-            D1 = tl.load(D_ptr + h0 + 1).to(tl.float32)
-        if HEADS >= 4:
-            D2 = tl.load(D_ptr + h0 + 2).to(tl.float32)
-            D3 = tl.load(D_ptr + h0 + 3).to(tl.float32)
-    buf0 = (h0 * K_max + k) * CHUNK
-    xb0 = x_ptr + t0 * stride_x_t + h0 * stride_x_h
-    acc0, cs0 = _scan_head_start(C_m, h0, k, nheads, headdim, dstate, cs_buf_ptr, buf0, starts_ptr, xb0,
-                                      offs_m, offs_p, offs_n, mm, mp, mn, stride_x_t, CHUNK, DOT_DTYPE,
-                                      DOT_PRECISION, INTERPRETED)
-    if HEADS >= 2:
-        buf1 = buf0 + K_max * CHUNK
-        xb1 = xb0 + stride_x_h
-        acc1, cs1 = _scan_head_start(C_m, h0 + 1, k, nheads, headdim, dstate, cs_buf_ptr, buf1, starts_ptr,
-                                          xb1, offs_m, offs_p, offs_n, mm, mp, mn, stride_x_t, CHUNK, DOT_DTYPE,
-                                          DOT_PRECISION, INTERPRETED)
-    if HEADS >= 4:
-        buf2 = buf0 + 2 * K_max * CHUNK
-        buf3 = buf0 + 3 * K_max * CHUNK
-        xb2 = xb0 + 2 * stride_x_h
-        xb3 = xb0 + 3 * stride_x_h
-        acc2, cs2 = _scan_head_start(C_m, h0 + 2, k, nheads, headdim, dstate, cs_buf_ptr, buf2, starts_ptr,
-                                          xb2, offs_m, offs_p, offs_n, mm, mp, mn, stride_x_t, CHUNK, DOT_DTYPE,
-                                          DOT_PRECISION, INTERPRETED)
-        acc3, cs3 = _scan_head_start(C_m, h0 + 3, k, nheads, headdim, dstate, cs_buf_ptr, buf3, starts_ptr,
-                                          xb3, offs_m, offs_p, offs_n, mm, mp, mn, stride_x_t, CHUNK, DOT_DTYPE,
-                                          DOT_PRECISION, INTERPRETED)
-
-    # causal part inside the chunk: y_l += sum_{s<=l} (C_l . B_s) exp(cs_l - cs_s) dt'_s x_s
     B_base = B_ptr + t0 * stride_B_t + g * stride_B_g
-    for kb in range(0, tl.minimum((mb + 1) * BLOCK_M, L), BLOCK_K):
-        offs_k = kb + tl.arange(0, BLOCK_K)
-        mk = offs_k < L
-        BT = tl.load(B_base + offs_k[None, :] * stride_B_t + offs_n[:, None],
-                     mask=mn[:, None] & mk[None, :], other=0.0)
-        BT = _cast(BT, DOT_DTYPE, INTERPRETED)  # [BLOCK_N, BLOCK_K]
-        cb = _dot(C_m, BT, None, DOT_PRECISION, INTERPRETED)  # [BLOCK_M, BLOCK_K] fp32
-        causal = offs_m[:, None] >= offs_k[None, :]
-        diag = offs_m[:, None] == offs_k[None, :]
-        acc0 = _scan_head_step(acc0, cb, causal, diag, D0, cs0, cs_buf_ptr, dt_buf_ptr, buf0, xb0, offs_k, mk, offs_p, mp,
-                               stride_x_t, DOT_DTYPE, DOT_PRECISION, INTERPRETED)
+    cb_base = cb_ptr + (k * ngroups + g) * (CHUNK * CHUNK)  # [CHUNK, CHUNK] of this (chunk, group)
+    for it in range(HEAD_LOOP):
+        h0 = (tl.program_id(0) * HEAD_LOOP + it) * HEADS
+        D0, D1, D2, D3 = 0.0, 0.0, 0.0, 0.0
+        if HAS_D:
+            D0 = tl.load(D_ptr + h0).to(tl.float32)
+            if HEADS >= 2:
+                D1 = tl.load(D_ptr + h0 + 1).to(tl.float32)
+            if HEADS >= 4:
+                D2 = tl.load(D_ptr + h0 + 2).to(tl.float32)
+                D3 = tl.load(D_ptr + h0 + 3).to(tl.float32)
+        buf0 = (h0 * K_max + k) * CHUNK
+        xb0 = x_ptr + t0 * stride_x_t + h0 * stride_x_h
+        acc0, cs0 = _scan_head_start(C_m, h0, k, nheads, headdim, dstate, cs_buf_ptr, buf0, starts_ptr, xb0,
+                                          offs_m, offs_p, offs_n, mm, mp, mn, stride_x_t, CHUNK, DOT_DTYPE,
+                                          DOT_PRECISION, INTERPRETED)
         if HEADS >= 2:
-            acc1 = _scan_head_step(acc1, cb, causal, diag, D1, cs1, cs_buf_ptr, dt_buf_ptr, buf1, xb1, offs_k, mk, offs_p,
-                                   mp, stride_x_t, DOT_DTYPE, DOT_PRECISION, INTERPRETED)
+            buf1 = buf0 + K_max * CHUNK
+            xb1 = xb0 + stride_x_h
+            acc1, cs1 = _scan_head_start(C_m, h0 + 1, k, nheads, headdim, dstate, cs_buf_ptr, buf1, starts_ptr,
+                                              xb1, offs_m, offs_p, offs_n, mm, mp, mn, stride_x_t, CHUNK, DOT_DTYPE,
+                                              DOT_PRECISION, INTERPRETED)
         if HEADS >= 4:
-            acc2 = _scan_head_step(acc2, cb, causal, diag, D2, cs2, cs_buf_ptr, dt_buf_ptr, buf2, xb2, offs_k, mk, offs_p,
-                                   mp, stride_x_t, DOT_DTYPE, DOT_PRECISION, INTERPRETED)
-            acc3 = _scan_head_step(acc3, cb, causal, diag, D3, cs3, cs_buf_ptr, dt_buf_ptr, buf3, xb3, offs_k, mk, offs_p,
-                                   mp, stride_x_t, DOT_DTYPE, DOT_PRECISION, INTERPRETED)
+            buf2 = buf0 + 2 * K_max * CHUNK
+            buf3 = buf0 + 3 * K_max * CHUNK
+            xb2 = xb0 + 2 * stride_x_h
+            xb3 = xb0 + 3 * stride_x_h
+            acc2, cs2 = _scan_head_start(C_m, h0 + 2, k, nheads, headdim, dstate, cs_buf_ptr, buf2, starts_ptr,
+                                              xb2, offs_m, offs_p, offs_n, mm, mp, mn, stride_x_t, CHUNK, DOT_DTYPE,
+                                              DOT_PRECISION, INTERPRETED)
+            acc3, cs3 = _scan_head_start(C_m, h0 + 3, k, nheads, headdim, dstate, cs_buf_ptr, buf3, starts_ptr,
+                                              xb3, offs_m, offs_p, offs_n, mm, mp, mn, stride_x_t, CHUNK, DOT_DTYPE,
+                                              DOT_PRECISION, INTERPRETED)
 
-    _scan_head_store(acc0, h0, out_ptr, t0, offs_m, offs_p, mm, mp, stride_o_t, stride_o_h, INTERPRETED)
-    if HEADS >= 2:
-        _scan_head_store(acc1, h0 + 1, out_ptr, t0, offs_m, offs_p, mm, mp, stride_o_t,
-                         stride_o_h, INTERPRETED)
-    if HEADS >= 4:
-        _scan_head_store(acc2, h0 + 2, out_ptr, t0, offs_m, offs_p, mm, mp, stride_o_t,
-                         stride_o_h, INTERPRETED)
-        _scan_head_store(acc3, h0 + 3, out_ptr, t0, offs_m, offs_p, mm, mp, stride_o_t,
-                         stride_o_h, INTERPRETED)
+        # causal part inside the chunk: y_l += sum_{s<=l} (C_l . B_s) exp(cs_l - cs_s) dt'_s x_s
+        for kb in range(0, tl.minimum((mb + 1) * BLOCK_M, L), BLOCK_K):
+            offs_k = kb + tl.arange(0, BLOCK_K)
+            mk = offs_k < L
+            causal = offs_m[:, None] >= offs_k[None, :]
+            diag = offs_m[:, None] == offs_k[None, :]
+            if CB_LOADED:
+                # NOTE: the CB kernel wrote only s <= l < L (block-wise): mask to exactly that
+                cb = tl.load(cb_base + offs_m[:, None] * CHUNK + offs_k[None, :],
+                             mask=causal & mm[:, None] & mk[None, :], other=0.0).to(tl.float32)
+            else:
+                BT = tl.load(B_base + offs_k[None, :] * stride_B_t + offs_n[:, None],
+                             mask=mn[:, None] & mk[None, :], other=0.0)
+                BT = _cast(BT, DOT_DTYPE, INTERPRETED)  # [BLOCK_N, BLOCK_K]
+                cb = _dot(C_m, BT, None, DOT_PRECISION, INTERPRETED)  # [BLOCK_M, BLOCK_K] fp32
+            acc0 = _scan_head_step(acc0, cb, causal, diag, D0, cs0, cs_buf_ptr, dt_buf_ptr, buf0, xb0, offs_k, mk, offs_p, mp,
+                                   stride_x_t, DOT_DTYPE, DOT_PRECISION, INTERPRETED)
+            if HEADS >= 2:
+                acc1 = _scan_head_step(acc1, cb, causal, diag, D1, cs1, cs_buf_ptr, dt_buf_ptr, buf1, xb1, offs_k, mk, offs_p,
+                                       mp, stride_x_t, DOT_DTYPE, DOT_PRECISION, INTERPRETED)
+            if HEADS >= 4:
+                acc2 = _scan_head_step(acc2, cb, causal, diag, D2, cs2, cs_buf_ptr, dt_buf_ptr, buf2, xb2, offs_k, mk, offs_p,
+                                       mp, stride_x_t, DOT_DTYPE, DOT_PRECISION, INTERPRETED)
+                acc3 = _scan_head_step(acc3, cb, causal, diag, D3, cs3, cs_buf_ptr, dt_buf_ptr, buf3, xb3, offs_k, mk, offs_p,
+                                       mp, stride_x_t, DOT_DTYPE, DOT_PRECISION, INTERPRETED)
+
+        _scan_head_store(acc0, h0, out_ptr, t0, offs_m, offs_p, mm, mp, stride_o_t, stride_o_h, INTERPRETED)
+        if HEADS >= 2:
+            _scan_head_store(acc1, h0 + 1, out_ptr, t0, offs_m, offs_p, mm, mp, stride_o_t,
+                             stride_o_h, INTERPRETED)
+        if HEADS >= 4:
+            _scan_head_store(acc2, h0 + 2, out_ptr, t0, offs_m, offs_p, mm, mp, stride_o_t,
+                             stride_o_h, INTERPRETED)
+            _scan_head_store(acc3, h0 + 3, out_ptr, t0, offs_m, offs_p, mm, mp, stride_o_t,
+                             stride_o_h, INTERPRETED)

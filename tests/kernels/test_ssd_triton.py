@@ -7,9 +7,11 @@ sizes. Every case draws random inputs and a random pool whose unused slots must 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -45,6 +47,25 @@ CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
 # tiny in the interpreter; on a GPU 4x the chunk (and every length and position) and real head sizes
 H, P, N, CHUNK, X = (8, 64, 64, 64, 4) if CUDA else (4, 16, 16, 16, 1)
+
+
+# Every kernel test runs once per variant: the default path (C B^T fused into the scan, fp32 chunk
+# states) and the shared-C B^T path (one CB launch per (chunk, group) in the dot dtype, two head
+# sets looped per scan program, chunk states in the dot dtype), its fields laid over those an explicit
+# config leaves at their defaults.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "fused": {},
+    "shared_cb": dict(scan_cb="low", scan_head_loop=2, chunk_states_low=True),
+}
+_variant: dict[str, Any] = {}
+
+
+@pytest.fixture(autouse=True, params=list(VARIANTS))
+def ssd_variant(request: pytest.FixtureRequest) -> Iterator[None]:
+    _variant.clear()
+    _variant.update(VARIANTS[request.param])
+    yield
+    _variant.clear()
 
 
 def rel_err(a: Tensor, b: Tensor) -> float:
@@ -92,6 +113,10 @@ def run_case(
             dt_softplus=softplus, dt_limit=limit, return_boundary_states=boundaries,
         )
 
+    if _variant:  # the variant's fields, where an explicit config left them at their defaults
+        config = config or SSDConfig()
+        keep = {k: v for k, v in _variant.items() if getattr(config, k) == getattr(SSDConfig(), k)}
+        config = dataclasses.replace(config, **keep)
     pool_ref, pool_tri = pool.to(DEV, copy=True), pool.to(DEV, copy=True)
     ref = scan(mamba_chunk_scan_varlen_ref, pool_ref)
     if config is None:
@@ -187,6 +212,9 @@ def test_fp32_inputs_bf16_pool() -> None:
     # two heads; two row blocks and several source blocks per chunk; dt' recomputed in the state kernel
     (2, 2 * CHUNK, SSDConfig(scan_heads=2, scan_block_m=CHUNK, scan_block_k=CHUNK // 2, state_block_k=CHUNK,
                              state_reread=False)),
+    # C B^T made once per (chunk, group) in fp32, three row blocks; two sets of two heads per program
+    (1, 3 * CHUNK, SSDConfig(scan_cb="fp32", scan_heads=2, scan_head_loop=2, scan_block_m=CHUNK, cb_block=CHUNK,
+                             chunk_states_low=True)),
 ])
 def test_block_configs(G: int, chunk: int, config: SSDConfig) -> None:
     run_case([1, 9, 30], [0, 3, 12], [False, True, True], G=G, seed=21, chunk=chunk, dstate=2 * N,

@@ -1,0 +1,312 @@
+"""One-call sweep of the SSD scan variants: correctness at real shapes, then time against mamba_ssm.
+
+Mamba2-2.7B shapes (nheads 80, headdim 64, dstate 128, ngroups 1, chunk 256), bf16 x/dt/B/C, fp32
+A/D/dt_bias and pool. On the GPU machine, from the repository root (third_party carried):
+
+    pip install -q --no-index --no-deps --target /tmp/site third_party/wheels/*.whl
+    PYTHONPATH=.:third_party/baseline:/tmp/site python3 benchmarks/ssd_sweep_gpu.py
+
+On a CPU: `TRITON_INTERPRET=1 python benchmarks/ssd_sweep_gpu.py --tiny` (tiny shapes, one timed
+call each, no baseline). Every variant is checked on every case against the fp32 torch reference
+(out, final pool states, boundary states, untouched slots, NaN-poisoned allocator) and once replayed
+from a CUDA graph; then timed (do_bench median, inputs rotated over > 240 MB). Prints one table per
+case and the fastest correct variant; writes $OUT/ssd_sweep.json (OUT defaults to /tmp/out); exits 1
+when any variant fails a check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+
+ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ARGS.add_argument("--tiny", action="store_true", help="tiny shapes (CPU, TRITON_INTERPRET=1)")
+ARGS.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+OPTS = ARGS.parse_args()
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated: before imports
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pd_ssm.kernels.ssd import mamba_chunk_scan_varlen_ref  # noqa: E402
+from pd_ssm.kernels.ssd_triton import SSDConfig, default_config, ssd_scan_with_config  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # NOTE: as in tests/kernels/test_ssd_triton.py: Triton 3.6's interpreter reads a loop bound that
+    # is a kernel argument with int() of a 1-element array, which numpy >= 2.4 rejects
+    from triton.runtime import interpreter as _interp
+
+    _patch = _interp._patch_lang_tensor
+
+    def _patch_item(tensor, scope):  # type: ignore[no-untyped-def]
+        _patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    _interp._patch_lang_tensor = _patch_item
+
+DEV = torch.device("cuda" if CUDA else "cpu")
+H, P, N, G, Q = (2, 16, 16, 1, 16) if OPTS.tiny else (80, 64, 128, 1, 256)
+OUT = os.environ.get("OUT", "/tmp/out")
+TOL = 1e-2  # bf16 relative error budget of the tests (tests/kernels/test_ssd_triton.py)
+START = time.time()
+DEADLINE = float(os.environ.get("SSD_SWEEP_DEADLINE", 160))  # seconds; the device call has ~240
+CASES: dict[str, tuple[list[int], str]] = (
+    {"1x16": ([16], "fresh"), "1x40": ([40], "fresh"), "1x64": ([64], "fresh"),
+     "3x12 aligned": ([12] * 3, "aligned"), "3x12 unaligned": ([12] * 3, "unaligned")}
+    if OPTS.tiny else
+    # the cases that miss their targets first: past DEADLINE the remaining cases are skipped
+    {"1x32768": ([32768], "fresh"), "16x1024 unaligned": ([1024] * 16, "unaligned"),
+     "16x1024 aligned": ([1024] * 16, "aligned"), "1x8192": ([8192], "fresh"), "1x2048": ([2048], "fresh")}
+)
+# overrides of the bf16 default config; "default" is what the engine runs today
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "states_low": dict(chunk_states_low=True),
+    "cb_fp32": dict(scan_cb="fp32"),
+    "cb_low": dict(scan_cb="low"),
+    # offline ptxas (sm_90): cb_low scan 141 registers (3 programs / SM), 128 when capped, no spill
+    "cb_low r128": dict(scan_cb="low", scan_maxnreg=128),
+    "cb_low r128+states_low": dict(scan_cb="low", scan_maxnreg=128, chunk_states_low=True),
+    "cb_low+states_low": dict(scan_cb="low", chunk_states_low=True),
+    "cb_low loop2 r168": dict(scan_cb="low", scan_head_loop=2, scan_maxnreg=168),  # 245 uncapped
+    "cb_low heads2": dict(scan_cb="low", scan_heads=2),  # 222 registers
+    "cb_low bk64 s2 r168": dict(scan_cb="low", scan_block_k=64, scan_stages=2, scan_maxnreg=168),
+    "cb_low bm128 w8": dict(scan_cb="low", scan_block_m=128, scan_warps=8),
+}
+if OPTS.only:
+    VARIANTS = {k: v for k, v in VARIANTS.items() if k in OPTS.only.split(",")}
+try:
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+except Exception as e:  # noqa: BLE001
+    mamba_chunk_scan_combined = None
+    print("baseline not available:", repr(e)[:200], flush=True)
+
+
+def log(*a: object) -> None:
+    print(f"[{time.time() - START:6.1f}s]", *a, flush=True)
+
+
+@dataclass
+class Inputs:
+    x: torch.Tensor  # [T, H, P] bf16
+    dt: torch.Tensor  # [T, H] raw, bf16
+    A: torch.Tensor  # [H] fp32
+    B: torch.Tensor  # [T, G, N] bf16
+    C: torch.Tensor  # [T, G, N] bf16
+    D: torch.Tensor  # [H] fp32
+    dt_bias: torch.Tensor  # [H] fp32
+    cu: torch.Tensor  # [S+1] int32
+    ctx: torch.Tensor  # [S] int32
+    pool: torch.Tensor  # [S+2, H, P, N] fp32
+    slots: torch.Tensor  # [S] int32
+    has_init: torch.Tensor  # [S] bool
+    seq_idx: torch.Tensor  # [1, T] int32, for mamba_ssm
+    init0: torch.Tensor | None  # [1, H, P, N]: mamba_ssm's batch of one takes one initial state
+
+
+def make_inputs(lengths: list[int], mode: str, seed: int) -> Inputs:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    T, S, bf = sum(lengths), len(lengths), torch.bfloat16
+
+    def rn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=DEV, generator=g)
+
+    def un(lo: float, hi: float, n: int) -> torch.Tensor:
+        return torch.rand(n, device=DEV, generator=g) * (hi - lo) + lo
+
+    dt_init = torch.exp(un(math.log(1e-3), math.log(1e-1), H))  # Mamba2's dt initialisation
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    if mode == "fresh":
+        ctx = torch.zeros(S, dtype=torch.int32, device=DEV)
+    elif mode == "aligned":
+        ctx = torch.randint(0, 32, (S,), device=DEV, generator=g).int() * Q
+    else:  # mid-chunk histories
+        ctx = torch.randint(1, 32 * Q, (S,), device=DEV, generator=g).int()
+        ctx = torch.where(ctx % Q == 0, ctx + 1, ctx)
+    seq_idx = torch.repeat_interleave(torch.arange(S, dtype=torch.int32, device=DEV),
+                                      torch.tensor(lengths, device=DEV))[None]
+    pool = rn(S + 2, H, P, N) * 0.5
+    slots = torch.randperm(S + 2, device=DEV, generator=g)[:S].int()
+    return Inputs(
+        x=rn(T, H, P).to(bf), dt=(rn(T, H) * 0.5).to(bf), A=-torch.exp(un(0.0, math.log(16.0), H)),
+        B=rn(T, G, N).to(bf), C=rn(T, G, N).to(bf), D=un(0.5, 1.5, H),
+        dt_bias=dt_init + torch.log(-torch.expm1(-dt_init)),  # softplus^-1
+        cu=cu, ctx=ctx, pool=pool, slots=slots, has_init=torch.full((S,), mode != "fresh", device=DEV),
+        seq_idx=seq_idx.int(), init0=None if mode == "fresh" else pool[slots[:1].long()].clone(),
+    )
+
+
+def ours(i: Inputs, cfg: SSDConfig, boundaries: bool = False) -> Any:
+    return ssd_scan_with_config(
+        i.x, i.dt, i.A, i.B, i.C, Q, cu_seqlens=i.cu, context_lens=i.ctx, ssm_state=i.pool,
+        state_indices=i.slots, has_initial_state=i.has_init, D=i.D, dt_bias=i.dt_bias, dt_softplus=True,
+        dt_limit=(0.0, float("inf")), return_boundary_states=boundaries, config=cfg,
+    )
+
+
+def mamba(i: Inputs) -> Any:
+    assert mamba_chunk_scan_combined is not None
+    kw: dict[str, Any] = dict(D=i.D, dt_bias=i.dt_bias, dt_softplus=True, initial_states=i.init0)
+    if i.cu.numel() == 2:
+        kw.update(return_final_states=True)
+    else:  # every sequence's final state too, as ours writes them
+        kw.update(seq_idx=i.seq_idx, cu_seqlens=i.cu, return_varlen_states=True)
+    return mamba_chunk_scan_combined(i.x[None], i.dt[None], i.A, i.B[None], i.C[None], Q, **kw)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def poison_allocator() -> None:
+    """Fill the caching allocator's free memory with NaN: an unwritten output element shows."""
+    if CUDA:
+        t = torch.empty(min(torch.cuda.mem_get_info()[0] // 2, 8 << 30) // 4, device=DEV).fill_(float("nan"))
+        del t
+
+
+def check(i: Inputs, r: Any, ref_pool: torch.Tensor, cfg: SSDConfig) -> dict[str, Any]:
+    """Errors of one variant against the reference; ok is False on any failure."""
+    slots = i.slots.long()
+    unused = sorted(set(range(i.pool.shape[0])) - set(slots.tolist()))
+    poison_allocator()
+    pool = i.pool.clone()
+    o = ours(replace(i, pool=pool), cfg, boundaries=True)
+    res: dict[str, Any] = dict(out_rel=rel(o.out, r.out), state_rel=rel(pool[slots], ref_pool[slots]),
+                               bstates_rel=rel(o.boundary_states, r.boundary_states)
+                               if r.boundary_states.numel() else 0.0)
+    exact = (o.boundary_cu.tolist() == r.boundary_cu.tolist() and bool(torch.isfinite(o.out).all())
+             and torch.equal(pool[unused], i.pool[unused]))
+    if CUDA:  # capturable: a graph replay (no boundary states: they need one host read) equals eager
+        pool_e, pool_g = i.pool.clone(), i.pool.clone()
+        eager = ours(replace(i, pool=pool_e), cfg).out
+        ours(replace(i, pool=pool_g.clone()), cfg)  # compiled before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = ours(replace(i, pool=pool_g), cfg).out
+        graph.replay()
+        torch.cuda.synchronize()
+        res["graph_equal"] = bool(torch.equal(captured, eager) and torch.equal(pool_g, pool_e))
+        exact = exact and res["graph_equal"]
+    res["ok"] = bool(exact and max(res["out_rel"], res["state_rel"], res["bstates_rel"]) < TOL)
+    return res
+
+
+def rotating(lengths: list[int], mode: str) -> list[Inputs]:
+    if not CUDA:
+        return [make_inputs(lengths, mode, seed=100)]
+    per_set = sum(lengths) * H * (P * 2 * 2 + 2) + (len(lengths) + 2) * H * P * N * 4  # x, out, dt, pool
+    return [make_inputs(lengths, mode, seed=100 + k) for k in range(max(1, math.ceil(240e6 / per_set)))]
+
+
+def bench(fn: Callable[[Inputs], Any], sets: list[Inputs]) -> float:
+    """Median ms per call."""
+    from triton.testing import do_bench
+
+    k = [0]
+
+    def step() -> None:
+        fn(sets[k[0] % len(sets)])
+        k[0] += 1
+
+    return do_bench(step, warmup=10, rep=40, return_mode="median")
+
+
+def run_case(name: str, lengths: list[int], mode: str, base: SSDConfig) -> dict[str, Any]:
+    i = make_inputs(lengths, mode, seed=len(name))
+    ref_pool = i.pool.clone()
+    up = replace(i, x=i.x.float(), dt=i.dt.float(), B=i.B.float(), C=i.C.float(), pool=ref_pool)
+    r = mamba_chunk_scan_varlen_ref(
+        up.x, up.dt, up.A, up.B, up.C, Q, cu_seqlens=up.cu, context_lens=up.ctx, ssm_state=up.pool,
+        state_indices=up.slots, has_initial_state=up.has_init, D=up.D, dt_bias=up.dt_bias,
+        return_boundary_states=True,
+    )
+    res: dict[str, Any] = {"variants": {}}
+    sets = rotating(lengths, mode)
+    for vname, over in VARIANTS.items():
+        v: dict[str, Any] = {}
+        try:
+            cfg = replace(base, **over)
+            t = time.perf_counter()
+            v.update(check(i, r, ref_pool, cfg))
+            # the interpreter's times mean nothing: the check's own call stands in for a timing
+            v["ms"] = bench(lambda s, cfg=cfg: ours(s, cfg), sets) if CUDA else (time.perf_counter() - t) * 1e3
+        except Exception as e:  # noqa: BLE001
+            v.update(ok=False, error=repr(e)[:400])
+        res["variants"][vname] = v
+        log(name, vname, json.dumps({k: (f"{x:.3g}" if isinstance(x, float) else x) for k, x in v.items()}))
+    if mamba_chunk_scan_combined is not None and CUDA:
+        res["mamba_ms"] = bench(mamba, sets)
+    del sets, i, r, up
+    if CUDA:
+        torch.cuda.empty_cache()
+    return res
+
+
+def main() -> int:
+    os.makedirs(OUT, exist_ok=True)
+    import triton
+
+    base = default_config(torch.bfloat16)
+    env = dict(device=torch.cuda.get_device_name() if CUDA else "cpu (TRITON_INTERPRET=1)", torch=torch.__version__,
+               triton=triton.__version__, tiny=OPTS.tiny, base_config=asdict(base),
+               baseline=mamba_chunk_scan_combined is not None)
+    log(env)
+    results: dict[str, Any] = {"env": env, "variants": VARIANTS, "cases": {}}
+    for name, (lengths, mode) in CASES.items():
+        if time.time() - START > DEADLINE:
+            log("deadline: skipping", name)
+            continue
+        results["cases"][name] = run_case(name, lengths, mode, base)
+        json.dump(results, open(f"{OUT}/ssd_sweep.json", "w"), indent=1, default=str)
+
+    failed = False
+    print("\nms (ratio = mamba_ssm / ours, or default / ours when the baseline is absent); * = fails a check")
+    names = list(results["cases"])
+    print("| variant | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for vname in VARIANTS:
+        cells = []
+        for name in names:
+            c = results["cases"][name]
+            v = c["variants"][vname]
+            failed |= not v.get("ok", False)
+            if "ms" not in v:
+                cells.append("ERROR*")
+                continue
+            ref_ms = c.get("mamba_ms", c["variants"]["default"].get("ms", math.nan) if "default" in VARIANTS else math.nan)
+            cells.append(f"{v['ms']:.3f} ({ref_ms / v['ms']:.2f}x, {v['out_rel']:.1e}){'' if v['ok'] else '*'}")
+        print(f"| {vname} | " + " | ".join(cells) + " |")
+    if any("mamba_ms" in c for c in results["cases"].values()):
+        print("| mamba_ssm | " + " | ".join(f"{results['cases'][n].get('mamba_ms', math.nan):.3f}" for n in names) + " |")
+    else:
+        print("baseline not available")
+    best: dict[str, str] = {}
+    for name in names:
+        ok = {k: v["ms"] for k, v in results["cases"][name]["variants"].items() if v.get("ok") and "ms" in v}
+        best[name] = min(ok, key=ok.__getitem__) if ok else "none"
+        print(f"fastest correct at {name}: {best[name]}")
+    # the one to make default: lowest geometric mean over all cases among variants correct on all
+    geo = {k: math.exp(sum(math.log(results["cases"][n]["variants"][k]["ms"]) for n in names) / len(names))
+           for k in VARIANTS if all(results["cases"][n]["variants"][k].get("ok") for n in names)}
+    results["fastest"] = best
+    results["overall"] = min(geo, key=geo.__getitem__) if geo else "none"
+    results["geo_ms"] = geo
+    print(f"overall (geometric mean over the cases): {results['overall']} -> SSDConfig overrides "
+          f"{VARIANTS.get(results['overall'], {})}")
+    json.dump(results, open(f"{OUT}/ssd_sweep.json", "w"), indent=1, default=str)
+    log("done;", "CORRECTNESS FAILURE" if failed else "all checks passed", f"-> {OUT}/ssd_sweep.json")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
