@@ -132,6 +132,24 @@ def test_decoded_tensor_owns_memory() -> None:
     assert f.tensor is not None and same_bits(f.tensor, t)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_receive_without_copy_views_a_writable_buffer(dtype: torch.dtype) -> None:
+    """copy=False (a connector's receive path): the tensor views the received buffer and keeps it
+    alive; a read-only buffer (bytes) is still copied."""
+    t = rand((5, 7), dtype, torch.Generator().manual_seed(4))
+    header, payload = encode_page("r", 0, "ssm", "x", t)
+    buf = bytearray(payload)
+    f = decode_frame(header, memoryview(buf), copy=False)
+    assert f.tensor is not None and same_bits(f.tensor, t) and f.tensor.shape == t.shape
+    buf[0] ^= 0xFF  # the same memory: a change to the buffer shows in the tensor
+    assert not same_bits(f.tensor, t)
+    del buf
+    gc.collect()
+    assert f.tensor.view(torch.uint8).reshape(-1)[1:].numpy().tobytes() == bytes(payload)[1:]  # still alive
+    frozen = decode_frame(header, bytes(payload), copy=False)
+    assert frozen.tensor is not None and same_bits(frozen.tensor, t)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_state_pages_round_trip(dtype: torch.dtype) -> None:
     pages = make_pages(dtype=dtype, seed=7)
