@@ -76,9 +76,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # offline ptxas (sm_90): cb_low scan 141 registers (3 programs / SM), 128 when capped, no spill
     "cb_low r128": dict(scan_cb="low", scan_maxnreg=128),
     "cb_low r128+states_low": dict(scan_cb="low", scan_maxnreg=128, chunk_states_low=True),
-    "cb_low+states_low": dict(scan_cb="low", chunk_states_low=True),
     "cb_low loop2 r168": dict(scan_cb="low", scan_head_loop=2, scan_maxnreg=168),  # 245 uncapped
-    "cb_low heads2": dict(scan_cb="low", scan_heads=2),  # 222 registers
     "cb_low bk64 s2 r168": dict(scan_cb="low", scan_block_k=64, scan_stages=2, scan_maxnreg=168),
     # 146 registers x 256 threads uncapped: 1 program / SM; capped at 128 (no spill): 2
     "cb_low bm128 w8 r128": dict(scan_cb="low", scan_block_m=128, scan_warps=8, scan_maxnreg=128),
