@@ -167,8 +167,12 @@ class NcclConnector(Connector):
 
     def abort(self, req_id: str) -> None:
         """Receiver: cancel the reservation; the request's bytes, if they come, are drained and
-        dropped. Sender: a send already posted still completes (stream sync) but is not reported."""
+        dropped. Sender: tell the receiver to release its reservation (reported there as failed,
+        "aborted by the sender"); a send already posted still completes (stream sync) and is
+        delivered, but is not reported here."""
         self.ledger.abort(req_id)
+        if self._tx is not None and not self._closed:
+            self._tx.abort(req_id)
         if self.reservations is not None:
             self.reservations.cancel(req_id)
 

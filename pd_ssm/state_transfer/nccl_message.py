@@ -4,6 +4,7 @@ the msgpack list that says where each tensor sits in it.
 Side channel (ZMQ), one multipart message each:
   hello  [token, control{kind="hello", gen, req_id="", nbytes=0}]: a sender joins generation `gen`
   data   [token, control{kind="data", gen, req_id, nbytes}, request header, request payload, tensors]
+  abort  [token, control{kind="abort", gen, req_id, nbytes=0}]: the sender gave `req_id` up
 p2p: ONE uint8 buffer of `nbytes` with every tensor at a BLOCK-aligned offset (nccl_checksum.py),
 zero-filled gaps; aligned offsets let the receiver hand out dtype views of the buffer, no copy.
 
@@ -37,7 +38,7 @@ _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_META_BYTES = 16 << 20  # the tensors list: ~100 B per tensor
 _TENSOR_KEYS = frozenset({"layer", "page_kind", "name", "dtype", "shape", "offset", "nbytes", "checksum"})
 _CONTROL_KEYS = frozenset({"kind", "gen", "req_id", "nbytes"})
-CONTROL_KINDS = ("hello", "data")
+CONTROL_KINDS = ("hello", "data", "abort")
 
 
 @dataclass(frozen=True, slots=True)

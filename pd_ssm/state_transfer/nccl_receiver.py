@@ -86,6 +86,12 @@ class NcclReceiver:
         if control.kind == "hello":
             self._hello(control, authentic)
             return None
+        if control.kind == "abort":
+            if not authentic:  # an intruder must not cancel reservations
+                self.ledger.fail_anonymous("unauthenticated", f"abort of {control.req_id!r} with a wrong token")
+            elif control.req_id in self.table:  # otherwise it arrived or failed already: nothing to undo
+                self._fail(control.req_id, "aborted by the sender")
+            return None
         start = time.monotonic()
         buf, lost = self._drain(control)
         if not authentic:

@@ -129,6 +129,16 @@ class NcclSender:
             return
         self._pending.append(_Outgoing(req_id, work, buf, start))
 
+    def abort(self, req_id: str) -> None:
+        """Tell the receiver to release the reservation of `req_id` now rather than at its expiry.
+        Best effort (never blocks): a send already posted has its bytes on the stream regardless."""
+        if self._push is None or self._group is None:
+            return
+        try:
+            self._push.send_multipart([self._token, Control("abort", self._group.gen, req_id, 0).encode()], zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the receiver's expiry frees the reservation instead
+
     def flush(self, timeout: float) -> bool:
         end = time.monotonic() + timeout
         # NOTE: probe first: a gloo send whose receiver died before posting its recv is never

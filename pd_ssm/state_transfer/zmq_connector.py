@@ -29,7 +29,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -87,10 +87,12 @@ class _Stream:
 class _Outgoing:
     req_id: str
     address: str
-    frames: list[zmq.Frame] | None  # None once handed to ZMQ
-    tracker: zmq.MessageTracker
+    # frames of wire.py; the pool may still be checksumming some (the caller never waits for it)
+    pieces: list[Future[Parts] | Parts]
     deadline: float
     stream: _Stream | None  # None: an abort notice, reported to nobody
+    frames: list[zmq.Frame] | None = None  # built once every piece is ready; None again once in ZMQ
+    tracker: zmq.MessageTracker | None = None
 
 
 class ZmqConnector(StreamingConnector):
@@ -149,11 +151,11 @@ class ZmqConnector(StreamingConnector):
         stream.final = True
         self._enqueue(pages.req_id, stream, frames, host, last=True)
 
-    def _encode(self, req_id: str, layers: list[LayerPages]) -> list[Parts]:
-        """Page frames of `layers` (wire.layers_to_frames's order), checksummed in parallel."""
+    def _encode(self, req_id: str, layers: list[LayerPages]) -> list[Future[Parts] | Parts]:
+        """Page frames of `layers` (wire.layers_to_frames's order), checksummed by the pool in the
+        background: a prefill forward streaming its layers must not wait for checksums."""
         items = [(p, name) for p in sorted(layers, key=lambda p: p.layer_idx) for name in sorted(p.tensors)]
-        return list(self._pool.map(lambda it: encode_page(req_id, it[0].layer_idx, it[0].kind, it[1],
-                                                          it[0].tensors[it[1]]), items))
+        return [self._pool.submit(encode_page, req_id, p.layer_idx, p.kind, name, p.tensors[name]) for p, name in items]
 
     def _stream(self, ticket: Ticket) -> _Stream:
         self._check_open()
@@ -167,17 +169,32 @@ class ZmqConnector(StreamingConnector):
             raise ValueError(f"{ticket.req_id!r} is being sent to {stream.address}, not {ticket.address}")
         return stream
 
-    def _enqueue(self, req_id: str, stream: _Stream, frames: list[Parts], host: list[LayerPages], last: bool) -> None:
-        stream.num_frames += len(frames) - (1 if last else 0)  # the end frame counts the others
+    def _enqueue(
+        self, req_id: str, stream: _Stream, pieces: list[Future[Parts] | Parts], host: list[LayerPages], last: bool
+    ) -> None:
+        stream.num_frames += len(pieces) - (1 if last else 0)  # the end frame counts the others
         stream.nbytes += sum(p.nbytes() for p in host)
         stream.messages += 1
-        self._queue(req_id, stream.address, [self._token, *(p for f in frames for p in f)], stream)
+        self._queue(req_id, stream.address, pieces, stream)
 
-    def _queue(self, req_id: str, address: str, parts: list[bytes | memoryview], stream: _Stream | None) -> None:
-        zframes = [zmq.Frame(p, copy=False, track=True) for p in parts]
+    def _queue(self, req_id: str, address: str, pieces: list[Future[Parts] | Parts], stream: _Stream | None) -> None:
         deadline = time.monotonic() + self.config.send_timeout
-        self._outbox.append(_Outgoing(req_id, address, zframes, zmq.MessageTracker(*zframes), deadline, stream))
+        self._outbox.append(_Outgoing(req_id, address, pieces, deadline, stream))
         self._pump()
+
+    def _frames(self, out: _Outgoing) -> list[zmq.Frame] | None:
+        """The message's zero-copy ZMQ frames once every piece is checksummed, else None."""
+        if out.frames is None:
+            if not all(not isinstance(p, Future) or p.done() for p in out.pieces):
+                return None
+            for p in out.pieces:
+                if isinstance(p, Future) and p.exception() is not None:
+                    raise _Unsendable(f"a page could not be encoded: {p.exception()}")
+            parts = [self._token, *(part for p in out.pieces for part in (p.result() if isinstance(p, Future) else p))]
+            out.frames = [zmq.Frame(p, copy=False, track=True) for p in parts]
+            out.tracker = zmq.MessageTracker(*out.frames)
+            out.pieces = []
+        return out.frames
 
     def flush(self, timeout: float | None = None) -> bool:
         """Push queued sends until every one is accepted or failed; True if none is left waiting.
@@ -202,11 +219,18 @@ class ZmqConnector(StreamingConnector):
             if out.req_id in failed:
                 continue
             if out.address not in blocked:
-                assert out.frames is not None
                 try:
-                    self._socket(out.address).send_multipart(out.frames, flags=zmq.NOBLOCK, copy=False)
+                    frames = self._frames(out)
+                    if frames is None:  # still being checksummed: it and what follows it wait
+                        raise zmq.Again()
+                    self._socket(out.address).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     blocked.add(out.address)
+                except _Unsendable as e:  # the caller's pages, not the peer: this request fails alone
+                    self._streams.pop(out.req_id, None)
+                    failed.add(out.req_id)
+                    self.ledger.fail(out.req_id, str(e))
+                    continue
                 else:
                     out.frames = None  # drop our references so the tracker can complete
                     if out.stream is not None:
@@ -227,6 +251,7 @@ class ZmqConnector(StreamingConnector):
         self._fail_disconnected()
         still: list[_Outgoing] = []
         for out in self._in_zmq:
+            assert out.tracker is not None
             if not out.tracker.done:
                 still.append(out)
                 continue
@@ -240,16 +265,22 @@ class ZmqConnector(StreamingConnector):
         self._in_zmq = still
 
     def _fail_disconnected(self) -> None:
-        """A peer that went away while a message was inside ZMQ: ZMQ drops the message, which
-        releases its buffers just as a completed send does -- so fail its request here first."""
-        for address, monitor in self._monitors.items():
+        """A peer that went away while a message was inside ZMQ: fail its request (ZMQ would report
+        it sent: dropping a message releases its buffers too), and drop the socket, since a
+        connecting socket keeps what it queued for whoever binds the address next."""
+        for address, monitor in list(self._monitors.items()):
             lost = False
             while monitor.poll(0):
                 lost |= recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
-            for out in self._in_zmq if lost else []:
+            if not lost:
+                continue
+            for out in self._in_zmq:
                 if out.address == address and out.stream is not None and self._streams.get(out.req_id) is out.stream:
                     del self._streams[out.req_id]
                     self.ledger.fail(out.req_id, f"peer {address} disconnected while it was in flight")
+            monitor.close()
+            del self._monitors[address]
+            self._push.pop(address).close(linger=0)  # its queued messages are dropped: trackers complete
 
     def _socket(self, address: str) -> zmq.Socket:
         sock = self._push.get(address)
@@ -307,7 +338,7 @@ class ZmqConnector(StreamingConnector):
         self._outbox = deque(o for o in self._outbox if o.req_id != req_id)
         stream = self._streams.pop(req_id, None)
         if stream is not None and stream.handed_to_zmq and not self._closed:
-            self._queue(req_id, stream.address, [self._token, *encode_abort(req_id, "aborted by the sender")], None)
+            self._queue(req_id, stream.address, [encode_abort(req_id, "aborted by the sender")], None)
         if self._inbox is not None:
             self._inbox.abort(req_id)
 
@@ -334,6 +365,10 @@ class ZmqConnector(StreamingConnector):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this ZmqConnector is closed")
+
+
+class _Unsendable(Exception):
+    pass
 
 
 def _groups(layers: list[LayerPages], nbytes: int) -> list[list[LayerPages]]:

@@ -237,6 +237,26 @@ def test_unknown_and_aborted_requests_are_drained() -> None:
     assert len(table) == 0
 
 
+def _sender_aborts(tx: NcclConnector) -> None:
+    tx.abort("given-up")  # before any byte of it: the receiver releases its reservation now
+    tx.send(make_pages("posted", torch.float32, 8), ticket(tx, "posted"))
+    tx.abort("posted")  # too late to stop: delivered, but not reported on this side
+    tx.send(make_pages("good", torch.bfloat16, 9), ticket(tx, "good"))
+    assert tx.flush(10.0)
+    assert tx.get_finished()[0] == {"good"} and tx.get_failed() == {}
+
+
+def test_abort_on_the_sending_side() -> None:
+    table = ReservationTable(ttl=60.0, token=TOKEN)
+    reserve(table, "given-up", "posted", "good")
+    with pair(table, _sender_aborts) as rx:
+        got, failed = collect(rx, 2)
+        assert sorted(got) == ["good", "posted"]
+        assert_same(make_pages("good", torch.bfloat16, 9), got["good"])
+        assert failed == {"given-up": "aborted by the sender"}
+    assert len(table) == 0
+
+
 # ------------------------------------------------------------------------------------ private groups
 
 
