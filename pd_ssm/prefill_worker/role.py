@@ -125,7 +125,9 @@ class PrefillRole:
         self._send(TransferReport(self.worker_id, req_id, self.name, False, error=why))
 
     def pending(self) -> bool:
-        return self.transfers > 0
+        # NOTE: requests waiting for their ticket need no progress (the ticket is a command, which
+        # wakes the loop); only sends on their way do
+        return self.transfers > self.sink.num_waiting
 
     @property
     def reserved(self) -> int:
