@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+
 from tests.orchestrator.conftest import Serve, pool_metrics, pools_empty, start_disagg
 
 
