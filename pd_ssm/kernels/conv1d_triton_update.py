@@ -77,13 +77,11 @@ class UpdateTile(NamedTuple):
 
 
 def default_update_tile(batch: int) -> UpdateTile:
-    """Few sequences: small programs, so that many SMs share the latency-bound work (42 programs
-    at batch 1); many: 8 channels per thread (more independent loads in flight per thread, fewer
-    programs: 768 at batch 128); in between, 672 programs at batch 32."""
-    # NOTE: chosen without a GPU; benchmarks/conv_gpu.py sweeps all three on an H200
-    if batch <= 8:
-        return UpdateTile(128, 1)
-    return UpdateTile(256, 2) if batch <= 64 else UpdateTile(1024, 4)
+    """128 channels, one warp per program, at every batch size: the fastest of three tiles in the
+    CUDA-graph sweep of benchmarks/conv_gpu.py on an H200 (RESULTS.md, 2026-11-30), bf16 pool:
+    2.46 / 3.72 / 8.59 / 14.46 us at batch 1 / 32 / 128 / 256 (the wider tiles: 3.2-4.4 / 4.5-6.2 /
+    9.5-13.3 / 15.3-23.7 us). More, smaller programs keep more rows' loads in flight."""
+    return UpdateTile(128, 1)
 
 
 def causal_conv1d_update_triton(

@@ -192,7 +192,10 @@ class ConvTile(NamedTuple):
 # re-loading x for each tap: 35, of which 4 loads and 4 bf16 -> fp32 conversions per output); one
 # 16-byte load per thread per row; 21 channel blocks x 128 row blocks at 1 x 2048 = 2688 one-warp
 # programs, all resident at once (~20 per SM)
-VARLEN_TILE = ConvTile(16, 256, 1)
+# Measured (benchmarks/conv_gpu.py, H200, CUDA graph, bf16): 16 x 128 is the fastest of five
+# tiles, 28.4 us at 1 x 2048 (1.55 TB/s) and 29.3 us at 16 x 128 with history, against 33.3 / 35.2 us
+# for 16 x 256 and 50.6 / 49.7 us for the kernel this replaced
+VARLEN_TILE = ConvTile(16, 128, 1)
 _BOUNDARY_BLOCK_D = 128
 
 

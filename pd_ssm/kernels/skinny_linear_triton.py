@@ -6,9 +6,9 @@ split-K kernels plus a reduction for these shapes (two launches, 2.4-3.4 TB/s me
 Mamba2-2.7B decode step on an H200).  This kernel gives each program BLOCK_N output columns for all
 rows and streams their K-long weight rows through a software pipeline (num_stages), no split-K.
 
-  rows <= 8  ("FMA" path): acc[BLOCK_N, BLOCK_K] += W * x on the CUDA cores, reduced over K at the
+  one row   ("FMA" path): acc[BLOCK_N, BLOCK_K] += W * x on the CUDA cores, reduced over K at the
              end, one row of x at a time (the tensor cores gain nothing on a memory-bound GEMV)
-  rows  > 8  ("DOT" path): tl.dot of [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles, fp32 accumulate
+  more rows ("DOT" path): tl.dot of [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles, fp32 accumulate
 
 Numerics: fp32 accumulation, one rounding to the output dtype, bias added in fp32 before it.
 Reference: `skinny_linear_ref` (torch.nn.functional.linear on fp32 upcasts, rounded once).
@@ -44,7 +44,8 @@ FMA_TILE_NARROW = LinearTile(8, 512, 4, 4)  # N <= 4096
 # NOTE: at 32 and 128 rows the DOT path lost to cuBLAS (0.66-0.95x, too few programs without split-K),
 # so `linear_triton` keeps cuBLAS there; the path stays for the sweep and the tests
 DOT_TILE = LinearTile(32, 128, 4, 4)
-FMA_MAX_ROWS = 8
+# NOTE: one row only: at 4 and 8 rows the FMA path re-reads W per row and ran 0.22-0.72x cuBLAS
+FMA_MAX_ROWS = 1
 
 
 def skinny_linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -93,6 +94,7 @@ def _skinny_dot_kernel(
     # meta-parameters
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, INTERPRETED: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """SPLIT == 1: y = x W^T (+ bias) rounded once; else y_ptr is an fp32 [SPLIT, M, N] workspace of
     partial sums over K_PER_SPLIT-long slices of K (bias and rounding left to the reduce kernel)."""
@@ -111,7 +113,7 @@ def _skinny_dot_kernel(
                      mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         w = tl.load(w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None],
                     mask=n_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_N] (W^T)
-        if INTERPRETED:  # the interpreter's bf16 dot multiplies raw bits: exact fp32 products instead
+        if INTERPRETED or IEEE:  # the interpreter's bf16 dot multiplies raw bits: exact fp32 products
             acc = tl.dot(xv.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(xv, w, acc)
@@ -156,8 +158,7 @@ def skinny_linear_triton(
     """y [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), M <= MAX_ROWS, one launch.
 
     x and weight share a dtype (bf16 / fp16 / fp32) and have stride 1 on K; bias in any float
-    dtype.  fp32 inputs on the DOT path use tf32 tensor cores on the GPU: this kernel is meant for
-    bf16 / fp16 decode steps (fp32 models keep torch's linear).
+    dtype.  fp32 inputs take IEEE fp32 dots (never tf32), as torch's default linear does.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"skinny_linear: x [M, K] and weight [N, K] expected, got {tuple(x.shape)} and "
@@ -190,7 +191,7 @@ def skinny_linear_triton(
             x, weight, bias, out, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
             K_PER_SPLIT=k_per_split, SPLIT=split, NUM_STAGES=t.num_stages, INTERPRETED=interpreted,
-            num_warps=t.num_warps,
+            IEEE=x.dtype == torch.float32, num_warps=t.num_warps,
         )
         if split > 1:
             block = 1024

@@ -1,5 +1,5 @@
 """skinny_linear_triton against its reference: random fp32 inputs on tiny shapes (TRITON_INTERPRET=1 on
-the CPU), both paths (FMA for <= 8 rows, DOT above), ragged N and K, with and without bias."""
+the CPU), both paths (FMA for one row, DOT above), ragged N and K, with and without bias."""
 
 from __future__ import annotations
 
