@@ -15,7 +15,13 @@ from typing import Any
 import pytest
 
 from pd_ssm import LLM, SamplingParams
-from pd_ssm.control.disagg_messages import ForwardTicket, PrefillRequest, ReserveReply, ReserveRequest, TransferReport
+from pd_ssm.control.disagg_messages import (
+    ForwardTicket,
+    PrefillRequest,
+    ReserveReply,
+    ReserveRequest,
+    TransferReport,
+)
 from pd_ssm.control.messages import AbortRequest, StepOutputs
 from pd_ssm.decode_worker.receivers import Receiver, Receivers
 from pd_ssm.decode_worker.role import DecodeRole
