@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
 
 class SamplingParamsError(ValueError):
     """An invalid sampling field; the message names the field and the allowed range."""
@@ -29,6 +31,9 @@ class SamplingParams:
     # vLLM's meaning: False returns token ids only (no text), and the engine spends no time on
     # detokenizing; a front end that has the tokenizer (the router) makes the text itself
     detokenize: bool = True
+    # vLLM's RequestOutputKind: "cumulative" (every step: all tokens and text so far), "delta" (every
+    # step: only what the step added, no copies), "final_only" (one output, when the request ends)
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +65,8 @@ class SamplingParams:
             raise SamplingParamsError("stop_token_ids must be >= 0")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise SamplingParamsError(f"logprobs must be an int >= 0, got {self.logprobs!r}")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise SamplingParamsError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         if self.stop and not self.detokenize:
             raise SamplingParamsError("stop strings need the text: set detokenize=True or use stop_token_ids")
 

@@ -9,8 +9,9 @@ read, so the host clock around it measures the whole step.
             and samples its first token; median of several runs
   decode    `batch` requests past their prefill; median ms/step over many steady-state steps,
             through the CUDA graphs unless --enforce-eager; twice per batch: with text (each
-            step detokenizes every request) and "ids only" (SamplingParams.detokenize=False, what
-            a decode worker runs when the router makes the text, as vLLM's engine core does)
+            step detokenizes every request, cumulative outputs) and "ids only" (detokenize=False,
+            output_kind="delta": what a decode worker streaming token ids to a router that makes
+            the text runs, as vLLM's engine core does)
 
 Floors (ceilings measured in the same run, TARGETS.md):
   decode    (weight bytes + state bytes read and written + KV bytes read and written) / copy
@@ -250,7 +251,7 @@ def run_engine_bench(opts: EngineBenchOptions, on_row: Callable[[BenchRow], None
     passes = [(batch, detok) for batch in opts.batch_sizes for detok in (True, False)]
     for batch, detokenize in passes:
         params = SamplingParams(temperature=0, max_tokens=opts.warmup_steps + opts.decode_steps + 4, ignore_eos=True,
-                                detokenize=detokenize)
+                                detokenize=detokenize, output_kind="cumulative" if detokenize else "delta")
         ids = [engine.add_request(prompt(16), params).req_id for _ in range(batch)]
         sched = engine.scheduler
         while sched.num_waiting or (sched.prefill is not None and sched.prefill.prefilling):

@@ -255,7 +255,8 @@ class Engine:
                     self._ship(req)
                     continue
                 self.scheduler.add_decoding(req)
-            results.append(self.outputs.output(req, [token], new_text))
+            if req.finished or req.params.output_kind != "final_only":
+                results.append(self.outputs.output(req, [token], new_text))
         return results
 
     # --- moving a request between engines --------------------------------------------------

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from pd_ssm.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -92,7 +93,10 @@ class LLM:
         ids = []
         try:
             for prompt, p in zip(batch, params, strict=True):
-                ids.append(self.engine.add_request(prompt, p).req_id)
+                # NOTE: only the final output is kept: the engine builds no per-step outputs (vLLM's LLM
+                # does the same)
+                final_only = dataclasses.replace(p, output_kind="final_only")
+                ids.append(self.engine.add_request(prompt, final_only).req_id)
         except Exception:
             for req_id in ids:  # nothing half-admitted stays behind
                 self.engine.abort(req_id)

@@ -71,16 +71,19 @@ class OutputProcessor:
         return ""
 
     def output(self, req: Request, new_tokens: list[int], new_text: str) -> RequestOutput:
+        """The request's output after a step that added `new_tokens` / `new_text`; with
+        output_kind "delta" the completion holds only those (no per-step copy of the history)."""
         lp = req.logprobs if req.params.logprobs is not None else None
         cum = None
         if lp:
             cum = sum(d.get(t, -math.inf) for d, t in zip(lp, req.output_token_ids, strict=False))
+        delta = req.params.output_kind == "delta"
         comp = CompletionOutput(
             index=0,
-            text=req.output_text,
-            token_ids=list(req.output_token_ids),
+            text=new_text if delta else req.output_text,
+            token_ids=list(new_tokens) if delta else list(req.output_token_ids),
             cumulative_logprob=cum,
-            logprobs=list(lp) if lp is not None else None,
+            logprobs=(lp[len(lp) - len(new_tokens):] if delta else list(lp)) if lp is not None else None,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
         )

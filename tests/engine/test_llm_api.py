@@ -156,6 +156,33 @@ def test_detokenize_off_gives_the_same_ids_and_no_text(hf_checkpoint: Any) -> No
     clean(llm)
 
 
+def test_output_kinds(hf_checkpoint: Any) -> None:
+    """cumulative: every step the whole output; delta: only the step's tokens and text, which add up to
+    the cumulative output; final_only: one output, at the end."""
+    path, _ = hf_checkpoint(HYBRID)
+    llm = small_llm(path)
+    prompt = random_prompts(384, [9], seed=4)[0]
+    seen: dict[str, list[Any]] = {}
+    for kind in ("cumulative", "delta", "final_only"):
+        params = SamplingParams(temperature=0.7, seed=3, max_tokens=10, ignore_eos=True, logprobs=2, output_kind=kind)
+        llm.engine.add_request(prompt, params)
+        outs = []
+        while llm.engine.has_unfinished():
+            outs.extend(llm.engine.step())
+        seen[kind] = outs
+    cum, delta, final = seen["cumulative"], seen["delta"], seen["final_only"]
+    assert len(final) == 1 and final[0].finished and len(cum) == len(delta) == 10
+    want = cum[-1].outputs[0]
+    assert final[0].outputs[0].token_ids == want.token_ids and final[0].outputs[0].text == want.text
+    assert [t for o in delta for t in o.outputs[0].token_ids] == want.token_ids
+    assert "".join(o.outputs[0].text for o in delta) == want.text
+    assert [d for o in delta for d in o.outputs[0].logprobs or []] == want.logprobs
+    assert all(len(o.outputs[0].token_ids) == i + 1 for i, o in enumerate(cum))
+    with pytest.raises(SamplingParamsError, match="output_kind"):
+        SamplingParams(output_kind="sometimes")
+    clean(llm)
+
+
 def test_bad_input_is_a_clear_error(hf_checkpoint: Any, tmp_path: Path) -> None:
     path, _ = hf_checkpoint(HYBRID)
     llm = small_llm(path, max_model_len=64)
