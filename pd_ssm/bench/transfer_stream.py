@@ -121,11 +121,11 @@ def _one_run(streaming: Engine, plain: Engine, sink: _TimedSink, tx: ZmqConnecto
     while streaming.has_unfinished():
         streaming.step()
     t_prefill = time.perf_counter()
+    tx.flush(timeout)  # the last pieces may still be checksumming: push them out
     th.join()
     t_recv, pages = got.pop()
     if pages is None or sink.first is None:
         raise RuntimeError(f"bench stream: request {rid} not received in {timeout} s: {rx.get_failed()}")
-    tx.flush(timeout)
     # sequential: prefill, export the whole request, one send
     seq = rid + "-seq"
     ticket = table.reserve(seq, rx.address, slot=1)
@@ -138,11 +138,11 @@ def _one_run(streaming: Engine, plain: Engine, sink: _TimedSink, tx: ZmqConnecto
     whole_pages = plain.export_request(seq)
     t_sent = time.perf_counter()
     tx.send(whole_pages, ticket)
+    tx.flush(timeout)
     th.join()
     t_seq, whole = got.pop()
     if whole is None:
         raise RuntimeError(f"bench stream: request {seq} not received in {timeout} s: {rx.get_failed()}")
-    tx.flush(timeout)
     for idx, page in whole.layers.items():  # streamed and whole must be the same bytes (untimed)
         for tname, t in page.tensors.items():
             if not torch.equal(t.view(torch.uint8), pages.layers[idx].tensors[tname].view(torch.uint8)):

@@ -185,13 +185,13 @@ def test_transfer_from_prefill_process(
     start = time.monotonic()
     proc.start()
     try:
-        got = recv_all(rx, None, 1, timeout=25.0)
+        got = recv_all(rx, None, 1, timeout=60.0)  # the child imports torch and builds an engine: slow on a loaded host
     finally:
         proc.join(5.0)
         if proc.is_alive():
             proc.kill()
             proc.join()
-    assert time.monotonic() - start < 30.0
+    assert time.monotonic() - start < 65.0
     assert proc.exitcode == 0 and sorted(got) == ["xp"]
     dst.import_reserved(got["xp"])
     assert rx.get_finished()[1] == {"xp"} and len(table) == 0

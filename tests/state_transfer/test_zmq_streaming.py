@@ -146,3 +146,20 @@ def test_layer_lost_between_messages_fails(rx: ZmqConnector, tx: ZmqConnector, t
     tx.flush(2.0)
     tx.get_finished()
     good_request(rx, tx, table)
+
+
+def test_page_that_cannot_be_encoded_fails_its_request_only(
+    rx: ZmqConnector, tx: ZmqConnector, table: ReservationTable
+) -> None:
+    """Checksumming runs in the background, so a page the wire cannot carry fails its request
+    through get_failed (not an exception in a later, unrelated call)."""
+    assert rx.address is not None
+    pages = make_pages("odd", seed=2)
+    pages.layers[0].tensors["conv"] = pages.layers[0].tensors["conv"].to(torch.complex64)
+    tx.send(pages, table.reserve("odd", rx.address, slot=0))
+    assert tx.flush(2.0)
+    failed = tx.get_failed()
+    assert list(failed) == ["odd"] and "could not be encoded" in failed["odd"] and "complex64" in failed["odd"]
+    assert tx.get_finished() == (set(), set())
+    table.cancel("odd")
+    good_request(rx, tx, table)
