@@ -5,7 +5,10 @@ prefill is done straight to its decode batch.  `export_request` / `import_reques
 with its StatePages between engines (what the disaggregated workers build on).  The decode side of
 a transfer reserves first (`reserve`: slot + KV blocks, before any page arrives, so it never
 over-commits), then `import_reserved` writes the pages into exactly that place, or
-`cancel_reservation` gives it back (expiry, failed transfer, abort).
+`cancel_reservation` gives it back (expiry, failed transfer, abort).  In the prefill role
+(`stream_prefills_to`) a request whose prefill finishes leaves through a LayerExporter instead:
+its pages go to a sink layer by layer during the step's forward, then its state with the first
+token, and its slot is freed.
 
 On CUDA the engine sizes its pools from `gpu_memory_utilization` after loading the weights and
 profiling a step (memory_plan.py), and captures CUDA graphs for decode-only steps unless
