@@ -27,6 +27,13 @@ Pairing and recovery (the design of issue 4's "a peer dies mid-transfer"):
     NCCL: a hang, bounded by our wait, then the communicator is aborted) fails its request(s),
     releases the reservation and tears the group down. The receiver then waits for a new hello;
     the sender re-pairs on its next `send` (with `rendezvous`, or the one given to `pair`).
+  - The side channel is one-way, so a receiver that drops a generation says so in the store
+    (`dropped_key`), and the sender probes it in `flush` / `get_finished` / `get_failed` through a
+    client with a 1 s timeout: that is also how it learns of a dead receiver whose death gloo does
+    not report (a send whose recv was never posted) -- the store went with it.
+  - Abort: on the receiver it cancels the reservation and drops the bytes when they come; on the
+    sender it sends an "abort" control, and the receiver releases the reservation at once if the
+    request has not arrived (one already sent is delivered: its bytes are on the stream).
   - Stream sync: once a data message of the live generation is read, its bytes are received
     whatever the receiver thinks of the request (wrong token, unknown / expired / aborted, bad
     metadata), into the buffer and then dropped, so the next request lines up. Only a control part

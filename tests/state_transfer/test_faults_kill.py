@@ -85,12 +85,16 @@ def test_nccl_sender_killed_mid_transfer() -> None:
 
 
 def _nccl_receiver(rendezvous: str, seen: queue.Queue[str]) -> None:
-    """Receive until killed, "after" arrived, or 15 s; report each request id ("!" if not bit-exact)."""
     table = ReservationTable(ttl=60.0, token=TOKEN)
     reserve(table, "warm", "big", "after")
-    rx = NcclConnector(
+    with NcclConnector(
         NcclConfig(TOKEN, rendezvous, timeout=5.0), bind="tcp://127.0.0.1:0", reservations=table
-    )
+    ) as rx:
+        _serve(rx, seen)
+
+
+def _serve(rx: Connector, seen: queue.Queue[str]) -> None:
+    """Receive until "after" arrived (or 15 s); report each request id ("!" if not bit-exact)."""
     end = time.monotonic() + 15.0
     while time.monotonic() < end:
         p = rx.recv(timeout=0.1)
@@ -98,7 +102,6 @@ def _nccl_receiver(rendezvous: str, seen: queue.Queue[str]) -> None:
             exact = p.req_id != "after" or _same(make_pages("after", torch.bfloat16, seed=3), p)
             seen.put(p.req_id if exact else "!" + p.req_id)
             if p.req_id == "after":
-                rx.close()
                 return
 
 
@@ -196,19 +199,11 @@ def test_zmq_sender_killed_mid_transfer() -> None:
 
 
 def _zmq_receiver(address: str, seen: queue.Queue[str], ready: Event) -> None:
-    """Receive until killed, "after" arrived, or 15 s; report each request id ("!" if not bit-exact)."""
     table = ReservationTable(ttl=60.0, token=TOKEN)
     reserve(table, "warm", "big", "after")
     with ZmqConnector(ZmqConfig(TOKEN), bind=address, reservations=table) as rx:
         ready.set()
-        end = time.monotonic() + 15.0
-        while time.monotonic() < end:
-            p = rx.recv(timeout=0.1)
-            if p is not None:
-                exact = p.req_id != "after" or _same(make_pages("after", torch.bfloat16, seed=3), p)
-                seen.put(p.req_id if exact else "!" + p.req_id)
-                if p.req_id == "after":
-                    return
+        _serve(rx, seen)
 
 
 def test_zmq_receiver_killed_mid_transfer() -> None:

@@ -1,0 +1,66 @@
+"""The NCCL connector's coalesced buffer and block-sum checksums, in one process: layout, views,
+and that every byte on the wire and every header field is covered."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+
+from pd_ssm.state_transfer.nccl_checksum import BLOCK, align, block_sums
+from pd_ssm.state_transfer.nccl_message import Control, pack, parse_control, parse_tensors, unpack
+from pd_ssm.state_transfer.wire import FrameError
+from tests.state_transfer.test_nccl_connector import assert_same, make_pages
+
+
+def test_pack_aligns_every_tensor_and_unpack_returns_views() -> None:
+    pages = make_pages("r", torch.bfloat16, seed=11)
+    buf, metas = pack(pages, torch.device("cpu"))
+    assert buf.numel() % BLOCK == 0 and all(m["offset"] % BLOCK == 0 for m in metas)
+    assert buf.numel() == sum(align(m["nbytes"]) for m in metas)
+    got = unpack(pages.request, parse_tensors(msgpack.packb(metas), buf.numel()), buf, torch.device("cpu"))
+    assert_same(pages, got)
+    ssm = got.layers[2].tensors["ssm"]
+    assert ssm.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()  # a view, no copy
+    gap = buf[metas[0]["nbytes"] : align(metas[0]["nbytes"])]
+    assert gap.numel() > 0 and not gap.any()  # padding is zeros, so both sides sum the same
+
+
+def test_block_sums_are_exact_integers() -> None:
+    g = torch.Generator().manual_seed(5)
+    buf = torch.randint(0, 256, (3 * BLOCK,), dtype=torch.uint8, generator=g)
+    sums = block_sums(buf)
+    words = buf.view(torch.int32).view(3, -1).to(torch.int64)  # the reference: plain int64 math
+    assert sums == words.sum(dim=1).numpy().astype("<i8").tobytes()
+    buf[BLOCK + 7] ^= 0x80  # one bit in the middle block changes that block's sum, no other
+    again = block_sums(buf)
+    assert again[:8] == sums[:8] and again[8:16] != sums[8:16] and again[16:] == sums[16:]
+    with pytest.raises(ValueError, match="multiple of"):
+        block_sums(buf[:100])
+
+
+@pytest.mark.parametrize("field,value", [("layer", 1), ("name", "k"), ("dtype", "float16"), ("shape", [47, 3])])
+def test_checksum_covers_the_tensor_header(field: str, value: object) -> None:
+    pages = make_pages("r", torch.bfloat16, seed=12)
+    buf, metas = pack(pages, torch.device("cpu"))
+    meta = metas[0]  # layer 0 "conv", bf16 [47, 3]
+    if field == "shape":
+        meta["shape"], meta["dtype"] = [47, 3, 1], "bfloat16"  # same bytes, another shape
+    else:
+        meta[field] = value
+    with pytest.raises(FrameError, match="checksum mismatch"):
+        unpack(pages.request, parse_tensors(msgpack.packb(metas), buf.numel()), buf, torch.device("cpu"))
+
+
+def test_control_part_is_strict() -> None:
+    c = Control("data", 3, "r1", 2 * BLOCK)
+    assert parse_control(c.encode()) == c
+    for bad in (
+        Control("data", 0, "r1", BLOCK).encode(),  # generations start at 1
+        Control("data", 1, "r1", BLOCK + 1).encode(),  # the buffer is whole blocks
+        Control("shout", 1, "r1", 0).encode(),
+        msgpack.packb({"kind": "data", "gen": 1, "req_id": "r1"}),
+        c.encode()[:-2],
+    ):
+        with pytest.raises(FrameError):
+            parse_control(bad)
