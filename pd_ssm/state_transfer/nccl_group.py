@@ -3,11 +3,12 @@
 Why not `init_process_group` / `new_group`: the default group is one per process, and `new_group`
 needs one that spans every rank, so a connector that used either would own torch.distributed for
 the whole process (no tensor-parallel group, no second connector) and could not be rebuilt after a
-peer died. Instead the backend object is constructed directly from a store, which c10d has
-supported unchanged since torch 2.0 (2.11-2.13 included): `ProcessGroupGloo(store, rank, 2,
-timeout)` / `ProcessGroupNCCL(store, rank, 2, options)`, with `Backend.send` / `Backend.recv` for
-the p2p. Such a group is invisible to torch.distributed's registry: it coexists with a default
-group, with other connectors' groups, and dies with its last reference.
+peer died. Instead the backend object is constructed directly from a store --
+`ProcessGroupGloo(store, rank, 2, timeout)` / `ProcessGroupNCCL(store, rank, 2, options)`, the
+same public constructors torch.distributed's own `_new_process_group_helper` calls in 2.11-2.13
+(tested here on 2.13 with gloo) -- and used through `Backend.send` / `Backend.recv`. Such a group
+is invisible to torch.distributed's registry: it coexists with a default group and with other
+connectors' groups, and dies with its last reference.
 
 Rendezvous: the receiver (decode side) hosts a TCPStore -- it is the long-lived side that tickets
 already point to -- and publishes its ZMQ data address in it. A sender takes a fresh generation
