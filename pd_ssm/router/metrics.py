@@ -79,6 +79,8 @@ class RouterMetrics:
                                           ["role"], buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.transfers = Counter("pd_ssm_transfers", "state transfers by side and outcome", ["role", "outcome"],
                                  registry=self.registry)
+        self.reservations_refused = Counter("pd_ssm_reservations_refused", "Reserves a decode worker refused (full)",
+                                            ["worker"], registry=self.registry)
         self.worker_transfer_bytes = Counter("pd_ssm_worker_transfer_bytes", "state page bytes a worker sent or received",
                                              ["worker"], registry=self.registry)
         self.registry.register(_WorkerCollector(pool))

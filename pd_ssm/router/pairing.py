@@ -120,6 +120,7 @@ class DisaggDispatcher(Dispatcher):
             return
         if msg.ticket is None:
             log.debug("%s refused by %s: %s", msg.req_id, w.worker_id, msg.reason)
+            self.metrics.reservations_refused.labels(w.worker_id).inc()
             self._ask_next(msg.req_id)
             return
         del self.pairing[msg.req_id]

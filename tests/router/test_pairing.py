@@ -116,6 +116,7 @@ def test_pairing_backpressure_ordering_and_failures() -> None:
             second.out.send(ReserveReply(second.id, rid, None, "full"))
             await _until(lambda: list(disp.waiting) == [rid])
             assert len(first.of(ReserveRequest)) == len(second.of(ReserveRequest)) == 1
+            assert b'pd_ssm_reservations_refused_total{worker="d0"} 1.0' in disp.metrics.render()
             # a slot frees on `second`: the waiting request is offered to it, which accepts
             second.out.send(LoadReport(second.id, -1, 0, 0, 1, 3, 8, 0, True))
             await _until(lambda: len(second.of(ReserveRequest)) == 2)
