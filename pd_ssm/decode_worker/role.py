@@ -25,7 +25,9 @@ from pd_ssm.control.disagg_messages import ReserveReply, ReserveRequest, TicketS
 from pd_ssm.control.messages import AbortRequest, StepOutputs, SubmitRequest, TokenDelta
 from pd_ssm.decode_worker.receivers import Receivers
 from pd_ssm.engine.engine import Engine, RequestError
+from pd_ssm.outputs import RequestOutput
 from pd_ssm.state_transfer.base import Connector, TransferStats
+from pd_ssm.worker.engine_worker import delta_from_output
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +133,9 @@ class DecodeRole:
     @property
     def transfers(self) -> int:
         return len(self.engine.reserved)
+
+    def delta(self, out: RequestOutput) -> TokenDelta:
+        return delta_from_output(out)
 
     def close(self) -> None:
         self.receivers.close()

@@ -22,9 +22,11 @@ from pd_ssm.cache.pages import LayerPages, RequestState
 from pd_ssm.control.disagg_messages import ForwardTicket, PrefillRequest, TicketSpec, TransferReport
 from pd_ssm.control.messages import AbortRequest, StepOutputs, SubmitRequest, TokenDelta
 from pd_ssm.engine.engine import Engine, RequestError
+from pd_ssm.outputs import RequestOutput
 from pd_ssm.prefill_worker.fanout import FanoutConnector
 from pd_ssm.state_transfer.base import Connector, Ticket
 from pd_ssm.state_transfer.connector_sink import ConnectorSink
+from pd_ssm.worker.engine_worker import delta_from_output
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +140,16 @@ class PrefillRole:
         """Requests whose prefill is done and whose pages have not all left (waiting for a ticket,
         or in the connector)."""
         return len(self.live - self.engine.requests.keys())
+
+    def delta(self, out: RequestOutput) -> TokenDelta:
+        """The first (and only) delta of a request here carries ALL its text so far: text held back
+        because a stop string might be forming would otherwise be lost, since the decode worker
+        resumes after the first token's text (it replays the first token and counts its text as
+        sent). A stop string that starts in the first token and ends later thus shows its first
+        characters -- the price of not shipping detokenizer state."""
+        d = delta_from_output(out)
+        d.text = out.outputs[0].text
+        return d
 
     def close(self) -> None:
         self.connector.close()

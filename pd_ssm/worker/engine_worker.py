@@ -174,7 +174,8 @@ class EngineWorker:
             # request finish, its view of the pools (and /metrics) already shows them free
             self._send_load(-1)
         if outs:
-            self.to_router.send(StepOutputs(self.config.worker_id, [delta_from_output(o) for o in outs]))
+            make = self.role.delta if self.role is not None else delta_from_output
+            self.to_router.send(StepOutputs(self.config.worker_id, [make(o) for o in outs]))
 
     def _send_load(self, seq: int) -> None:
         report = load_report(self.engine, self.config.worker_id, seq, self._steps)

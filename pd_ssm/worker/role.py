@@ -12,12 +12,16 @@ Contract, all calls on the loop's one thread:
   (the loop then sends a LoadReport at once, so the router's view of the pools stays current).
 - `pending()`: transfers are in flight, so the loop must not sleep on its command socket.
 - `reserved` / `transfers`: counts for the LoadReport.
+- `delta(out)`: the TokenDelta of one step output (the role decides what text it carries).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any, Protocol
+
+from pd_ssm.control.messages import TokenDelta
+from pd_ssm.outputs import RequestOutput
 
 
 class WorkerRole(Protocol):
@@ -36,5 +40,7 @@ class WorkerRole(Protocol):
 
     @property
     def transfers(self) -> int: ...
+
+    def delta(self, out: RequestOutput) -> TokenDelta: ...
 
     def close(self) -> None: ...
