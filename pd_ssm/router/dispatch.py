@@ -19,7 +19,8 @@ from pd_ssm.control.messages import TokenDelta
 from pd_ssm.router.errors import APIError
 from pd_ssm.router.metrics import RouterMetrics
 from pd_ssm.router.policies import RoutingPolicy
-from pd_ssm.router.workers import NoWorkerError, RequestStream, StreamFailure, WorkerPool
+from pd_ssm.router.streams import RequestStream, StreamFailure
+from pd_ssm.router.workers import NoWorkerError, WorkerPool
 from pd_ssm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

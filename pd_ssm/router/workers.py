@@ -11,11 +11,8 @@ next message.  A worker is DEAD when it says so (fatal WorkerError) or when whoe
 its process calls `mark_dead`; its in-flight requests then fail with a 503 at once, and a new
 WorkerHello under the same id (a restarted process) brings it back.
 
-Disaggregated requests run on two workers: a stream lists every worker that holds a part of it
-(`workers`: the prefill worker until its pages have left, the decode worker once it reserved).
-Deltas are taken from any of them; the prefill worker's first token comes on another socket than
-the decode worker's later ones, so a stream with `first_from` set holds other workers' deltas
-until that one's first delta arrived.  A stream that ends -- finished, failed, aborted -- sends
+Disaggregated requests run on two workers (streams.py: which workers hold a part of a request,
+and the order of their deltas).  A stream that ends -- finished, failed, aborted -- sends
 AbortRequest to every worker still holding a part (a no-op where it is gone), so neither side
 keeps pages of a request the other side lost.  Messages of the disaggregated path (ReserveReply,
 TransferReport) and deaths go to `listeners` (router/pairing.py).
@@ -50,6 +47,7 @@ from pd_ssm.control.messages import (
 )
 from pd_ssm.control.queues import AsyncPullQueue, PushQueue
 from pd_ssm.router.policies import WorkerView
+from pd_ssm.router.streams import RequestStream, StreamFailure
 from pd_ssm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -60,31 +58,6 @@ class WorkerStatus(enum.Enum):
     HEALTHY = "healthy"
     UNRESPONSIVE = "unresponsive"  # out of rotation until it answers again
     DEAD = "dead"
-
-
-@dataclass(slots=True)
-class StreamFailure:
-    """Put on a request's queue when its worker is lost (the request ends with a 503), or when
-    the router aborted it (`aborted`: the client is gone, nobody is told)."""
-
-    message: str
-    aborted: bool = False
-
-
-@dataclass(slots=True)
-class RequestStream:
-    """One request's deltas as they come from its worker(s); the last one has a finish_reason."""
-
-    req_id: str
-    worker_id: str  # the worker it was submitted to (the prefill worker when disaggregated)
-    queue: asyncio.Queue[TokenDelta | StreamFailure] = field(default_factory=asyncio.Queue)
-    done: bool = False
-    workers: set[str] = field(default_factory=set)  # workers holding a part of it
-    first_from: str | None = None  # deltas of others wait until this worker's first one came
-    held: list[TokenDelta] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.workers.add(self.worker_id)
 
 
 class PoolListener(Protocol):
@@ -298,16 +271,7 @@ class WorkerPool:
             w.status = WorkerStatus.HEALTHY
 
     def _deliver(self, stream: RequestStream, worker_id: str, delta: TokenDelta) -> None:
-        if stream.first_from is not None:
-            if worker_id != stream.first_from:
-                stream.held.append(delta)  # a later token overtook the first one: keep the order
-                return
-            stream.first_from = None
-            deltas = [delta, *stream.held]
-            stream.held.clear()
-        else:
-            deltas = [delta]
-        for d in deltas:
+        for d in stream.accept(worker_id, delta):
             stream.queue.put_nowait(d)
             if d.finished:
                 self._end(stream, finished_on=worker_id if d is delta else None)
