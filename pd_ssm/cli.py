@@ -63,7 +63,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         ignore_eos=args.ignore_eos,
     )
-    prompts = args.prompt or ["Hello, my name is"]
+    prompts = args.prompt or ["def fibonacci(n):"]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     dt = time.perf_counter() - t0

@@ -1,10 +1,15 @@
-"""The embedded default model: a small Bamba-style hybrid made deterministically on first use.
+"""The embedded default model, and a tiny random one for tests.
 
-The quick start needs no download: the first call writes an HF-format checkpoint directory
-(`config.json` + `model.safetensors`, HF tensor names, no tokenizer so the byte-level tokenizer
-applies) into the cache directory, from a fixed seed, and later calls reuse it.  The weights are
-random (initialized the way HF initializes Bamba), so the text it writes is not meaningful; it
-exercises every code path of a hybrid: Mamba2 layers, one attention layer, SwiGLU MLPs.
+`default_model_dir()`: the checkpoint that ships inside the package (`pd_ssm/assets/default_model`):
+an 8 M-parameter Bamba hybrid (Mamba2 layers + two attention layers) trained by the project on the
+Python standard library's sources (scripts/train_default_model.py, docs/default_model.md), so the
+quick start answers with plausible Python without a download.  Byte-level: no tokenizer file, the
+ByteTokenizer applies.
+
+`random_model_dir()`: a smaller Bamba-style hybrid with random weights, written deterministically
+(fixed seed, HF initialization) into the cache directory on first use.  Its text is noise; it runs
+every code path of a hybrid (Mamba2 layers, one attention layer, SwiGLU MLPs) at a fraction of the
+trained model's cost, which is what the serving tests need.
 """
 
 from __future__ import annotations
@@ -59,8 +64,21 @@ def cache_root() -> Path:
     return Path(root)
 
 
+TRAINED_DIR = Path(__file__).resolve().parent / "assets" / "default_model"
+
+
 def default_model_dir() -> Path:
-    """The default checkpoint's directory, written on first use (atomic: safe under races)."""
+    """The trained checkpoint shipped with pd_ssm (read-only: it lives in the package)."""
+    if not (TRAINED_DIR / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"the embedded default model is missing from {TRAINED_DIR} (a broken install?); reinstall pd_ssm, "
+            "or pass --model DIR"
+        )
+    return TRAINED_DIR
+
+
+def random_model_dir() -> Path:
+    """The tiny random checkpoint's directory, written on first use (atomic: safe under races)."""
     target = cache_root() / NAME
     if (target / "model.safetensors").is_file():
         return target

@@ -94,13 +94,14 @@ class Serve:
 
 @pytest.fixture(scope="session")
 def default_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The embedded default model, written into a private cache directory."""
-    from pd_ssm.default_model import default_model_dir
+    """The tiny random hybrid (the serving tests check mechanics, not text; the trained default model
+    costs several times more per token), written into a private cache directory."""
+    from pd_ssm.default_model import random_model_dir
 
     old = os.environ.get("PD_SSM_CACHE")
     os.environ["PD_SSM_CACHE"] = str(tmp_path_factory.mktemp("pd_ssm_cache"))
     try:
-        return default_model_dir()
+        return random_model_dir()
     finally:
         if old is None:
             del os.environ["PD_SSM_CACHE"]
