@@ -124,7 +124,6 @@ def test_tiny_run_writes_log_and_samples(tiny_run: Path) -> None:
 
 
 def test_plot_writes_png(tiny_run: Path, tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     png = tmp_path / "loss.png"
     assert load_script("plot_training").main([str(tiny_run / "train_log.jsonl"), "--out", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
