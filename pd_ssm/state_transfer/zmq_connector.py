@@ -79,7 +79,6 @@ class _Stream:
     nbytes: int = 0  # tensor bytes handed over so far
     num_frames: int = 0  # frames queued so far (the end frame's count)
     messages: int = 0  # messages queued or inside ZMQ whose buffers are not yet released
-    handed_to_zmq: bool = False  # the peer may hold part of it: an abort must tell it
     final: bool = False  # its last message (request + end frames) is queued
 
 
@@ -233,8 +232,6 @@ class ZmqConnector(StreamingConnector):
                     continue
                 else:
                     out.frames = None  # drop our references so the tracker can complete
-                    if out.stream is not None:
-                        out.stream.handed_to_zmq = True
                     self._in_zmq.append(out)
                     continue
             # not taken: it waits for its peer until its deadline
@@ -331,13 +328,14 @@ class ZmqConnector(StreamingConnector):
         return self.ledger.take_stats()
 
     def abort(self, req_id: str) -> None:
-        """Sender: drop its queued messages; if ZMQ took part of it already, tell the receiver (an
-        "abort" frame) so it frees the reservation now. Receiver: cancel its reservation, drop
-        what arrived and its later messages."""
+        """Sender: drop its queued messages and, once sending to its ticket had begun, tell the
+        receiver (an "abort" frame) so it frees the reservation now -- also when every message was
+        still being checksummed here, since the receiver holds the place either way. Receiver:
+        cancel its reservation, drop what arrived and its later messages."""
         self.ledger.abort(req_id)
         self._outbox = deque(o for o in self._outbox if o.req_id != req_id)
         stream = self._streams.pop(req_id, None)
-        if stream is not None and stream.handed_to_zmq and not self._closed:
+        if stream is not None and not self._closed:
             self._queue(req_id, stream.address, [encode_abort(req_id, "aborted by the sender")], None)
         if self._inbox is not None:
             self._inbox.abort(req_id)
