@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from functools import partial
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -46,7 +47,30 @@ _STAGE_ROWS = 6  # input_ids, positions, slot_mapping, context_lens, seq_lens, s
 
 
 class GraphCaptureError(RuntimeError):
-    """The decode step cannot be captured; the message says what to change."""
+    """A step cannot be captured; the message says what to change."""
+
+
+_Out = TypeVar("_Out")
+
+
+def capture_graph(
+    warm_up: Callable[[], object], body: Callable[[], _Out], mempool: Any, device: torch.device, what: str
+) -> tuple[torch.cuda.CUDAGraph, _Out]:
+    """Run `warm_up` eagerly (kernel compilation, cuBLAS workspaces), then capture `body` into a new
+    graph on `mempool`; returns the graph and what `body` returned (tensors of the graph's pool).
+    Any failure is a GraphCaptureError naming `what` (the decode and the prefill graphs share this)."""
+    try:
+        warm_up()
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=mempool):
+            out = body()
+    except RuntimeError as e:
+        raise GraphCaptureError(
+            f"capturing {what} failed ({e}); a kernel that synchronizes with the host or allocates by data "
+            "cannot be captured. Pass enforce_eager=True (--enforce-eager)"
+        ) from e
+    return graph, out
 
 
 def capture_sizes(max_num_seqs: int, max_size: int = MAX_CAPTURE_SIZE) -> list[int]:
@@ -237,18 +261,11 @@ class DecodeGraphs:
         mempool = torch.cuda.graph_pool_handle()
         # largest first: the smaller graphs then fit in the memory the largest one left in the pool
         for size in reversed(self.sizes):
-            try:
-                self._padding_step(size)  # warm-up: cuBLAS handles, workspaces
-                torch.cuda.synchronize(self.pool.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=mempool):
-                    decode_step(self.model, self.pool, self.buffers, size)
-            except RuntimeError as e:
-                raise GraphCaptureError(
-                    f"capturing the decode step for batch {size} failed ({e}); a kernel that synchronizes with "
-                    "the host or allocates by data cannot be captured. Pass enforce_eager=True (--enforce-eager)"
-                ) from e
-            self.graphs[size] = graph
+            self.graphs[size], _ = capture_graph(
+                partial(self._padding_step, size),
+                partial(decode_step, self.model, self.pool, self.buffers, size),
+                mempool, self.pool.device, f"the decode step for batch {size}",
+            )
         torch.cuda.synchronize(self.pool.device)
         self.capture_seconds = time.perf_counter() - t0
 

@@ -34,12 +34,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import torch
 
 from pd_ssm.cache.pool import CachePool
-from pd_ssm.engine.cuda_graphs import GraphCaptureError
+from pd_ssm.engine.cuda_graphs import capture_graph
 from pd_ssm.engine.forward_meta import ForwardMeta
 from pd_ssm.models.base import CausalLM
 
@@ -223,21 +224,15 @@ class PrefillGraphs:
         mempool = torch.cuda.graph_pool_handle()
         # largest first: the smaller graphs then fit in the memory the largest one left in the pool
         for bucket in reversed(self.buckets):
-            try:
-                self._padding_only(bucket)
-                self._body(bucket)  # warm-up: compile kernels, cuBLAS workspaces
-                torch.cuda.synchronize(self.pool.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=mempool):
-                    out = self._body(bucket)
-            except RuntimeError as e:
-                raise GraphCaptureError(
-                    f"capturing the prefill step for bucket {bucket} (tokens, sequences) failed ({e}); a kernel "
-                    "that synchronizes with the host or allocates by data cannot be captured. Pass "
-                    "enforce_eager=True (--enforce-eager)"
-                ) from e
-            self.graphs[bucket] = graph
-            self.outputs[bucket] = out
+
+            def warm_up(b: tuple[int, int] = bucket) -> None:
+                self._padding_only(b)
+                self._body(b)
+
+            self.graphs[bucket], self.outputs[bucket] = capture_graph(
+                warm_up, partial(self._body, bucket), mempool, self.pool.device,
+                f"the prefill step for bucket {bucket} (tokens, sequences)",
+            )
         torch.cuda.synchronize(self.pool.device)
         self.capture_seconds = time.perf_counter() - t0
 

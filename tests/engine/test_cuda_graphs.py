@@ -140,14 +140,19 @@ def test_hybrid_on_torch_kernels_is_refused_before_capture(hf_checkpoint: Any) -
 
 
 # --- the graph body run eagerly through the static buffers (CPU) --------------------------
-def install_static_decode(engine: Engine, sizes: list[int]) -> DecodeGraphs:
-    """What the engine does on CUDA, without capture: a pool with a scratch slot past the
-    manager's, and DecodeGraphs(capture=False) in the runner."""
+def add_scratch_slot(engine: Engine) -> tuple[int, int]:
+    """What the engine does on CUDA before capturing graphs: a pool with one scratch slot past the
+    manager's. Returns (scratch slot, block-table width of the graphs)."""
     n = engine.cache.num_slots
     cc = dataclasses.replace(engine.config.cache, num_state_slots=n + 1)
     engine.pool = engine.runner.pool = CachePool(engine.model_config, cc, engine.device, engine.dtype)
-    width = table_width(engine.max_model_len, cc.block_size, engine.cache.uses_kv)
-    graphs = DecodeGraphs(engine.model, engine.pool, sizes=sizes, scratch_slot=n, width=width, capture=False)
+    return n, table_width(engine.max_model_len, cc.block_size, engine.cache.uses_kv)
+
+
+def install_static_decode(engine: Engine, sizes: list[int]) -> DecodeGraphs:
+    """A scratch slot, and DecodeGraphs(capture=False) in the runner (the engine's CUDA setup)."""
+    scratch, width = add_scratch_slot(engine)
+    graphs = DecodeGraphs(engine.model, engine.pool, sizes=sizes, scratch_slot=scratch, width=width, capture=False)
     engine.runner.graphs = graphs
     return graphs
 

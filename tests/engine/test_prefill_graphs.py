@@ -7,15 +7,12 @@ padding sequences.  GPU: captured prefill graphs against eager on tiny transform
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
 import torch
 
 from pd_ssm import LLM, SamplingParams
-from pd_ssm.cache.pool import CachePool
-from pd_ssm.engine.cuda_graphs import table_width
 from pd_ssm.engine.engine import Engine
 from pd_ssm.engine.prefill_graphs import (
     PrefillBuffers,
@@ -26,6 +23,7 @@ from pd_ssm.engine.prefill_graphs import (
     prefill_buckets,
 )
 from tests.conftest import needs_cuda, random_prompts
+from tests.engine.test_cuda_graphs import add_scratch_slot, tiny_llm
 
 
 # --- buckets and padding (pure) ----------------------------------------------------------
@@ -114,20 +112,11 @@ LENGTHS = [150, 5, 90, 21, 9, 130]  # long ones take several prefill-only steps
 MAX_TOKENS = [4, 9, 6, 12, 3, 7]
 
 
-def tiny_llm(path: Any, **kw: Any) -> LLM:
-    args: dict[str, Any] = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_kv_blocks=256)
-    args.update(kw)
-    return LLM(model=str(path), **args)
-
-
 def install_static_prefill(engine: Engine, buckets: list[tuple[int, int]]) -> PrefillGraphs:
-    """What the engine does on CUDA, without capture: a scratch slot past the manager's, and
-    PrefillGraphs(capture=False) in the runner."""
-    n = engine.cache.num_slots
-    cc = dataclasses.replace(engine.config.cache, num_state_slots=n + 1)
-    engine.pool = engine.runner.pool = CachePool(engine.model_config, cc, engine.device, engine.dtype)
-    width = table_width(engine.max_model_len, cc.block_size, engine.cache.uses_kv)
-    graphs = PrefillGraphs(engine.model, engine.pool, buckets=buckets, scratch_slot=n, width=width, capture=False)
+    """A scratch slot, and PrefillGraphs(capture=False) in the runner (the engine's CUDA setup)."""
+    scratch, width = add_scratch_slot(engine)
+    graphs = PrefillGraphs(engine.model, engine.pool, buckets=buckets, scratch_slot=scratch, width=width,
+                           capture=False)
     engine.runner.prefill_graphs = graphs
     return graphs
 
