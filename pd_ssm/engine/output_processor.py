@@ -30,22 +30,19 @@ class OutputProcessor:
         if logprobs is not None:
             req.logprobs.append(logprobs)
         p = req.params
-        n_out = len(req.output_token_ids)
+        rule = self._text_free_rule(req, token)
         if not p.detokenize:
-            return self._append_ids_only(req, token, n_out)
+            if rule is not None:
+                req.finish(*rule)
+            return ""
         detok = self._detokenizer(req)
-        is_eos = token in self.eos and not p.ignore_eos
-        if n_out >= p.min_tokens and is_eos:
-            req.output_text += detok.flush()
-            req.finish("stop")
-            return self._flush(req)
-        if n_out >= p.min_tokens and token in p.stop_token_ids:
-            # as in vLLM, a stop token's text stays in the output (unless it is a special token)
-            req.output_text += detok.add(token) + detok.flush()
-            req.finish("stop", token)
+        if rule is not None and rule[0] == "stop":
+            # EOS adds no text; as in vLLM, a stop token's text stays (unless it is a special token)
+            req.output_text += (detok.add(token) if rule[1] is not None else "") + detok.flush()
+            req.finish(*rule)
             return self._flush(req)
         req.output_text += detok.add(token)
-        if p.stop and n_out >= p.min_tokens:
+        if p.stop and len(req.output_token_ids) >= p.min_tokens:
             start = max(0, self._text_len.get(req.req_id, 0) - max(len(s) for s in p.stop))
             hit = find_stop(req.output_text, p.stop, start)
             if hit is not None:
@@ -54,21 +51,23 @@ class OutputProcessor:
                 req.output_text = req.output_text[:cut]
                 req.finish("stop", stop_str)
                 return self._flush(req)
-        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if rule is not None:  # a length limit: checked after the stop strings, as vLLM does
             req.output_text += detok.flush()  # a character cut off by the limit shows as U+FFFD
-            req.finish("length")
+            req.finish(*rule)
         return self._flush(req)
 
-    def _append_ids_only(self, req: Request, token: int, n_out: int) -> str:
-        """The stop rules that need no text (detokenize=False): EOS, stop ids, the length limits."""
+    def _text_free_rule(self, req: Request, token: int) -> tuple[str, int | None] | None:
+        """(finish reason, stop token) of the rules that need no text, in vLLM's order: EOS, a stop
+        token id (neither before min_tokens), then the length limits; None if none applies."""
         p = req.params
+        n_out = len(req.output_token_ids)
         if n_out >= p.min_tokens and token in self.eos and not p.ignore_eos:
-            req.finish("stop")
-        elif n_out >= p.min_tokens and token in p.stop_token_ids:
-            req.finish("stop", token)
-        elif n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            req.finish("length")
-        return ""
+            return "stop", None
+        if n_out >= p.min_tokens and token in p.stop_token_ids:
+            return "stop", token
+        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length", None
+        return None
 
     def output(self, req: Request, new_tokens: list[int], new_text: str) -> RequestOutput:
         """The request's output after a step that added `new_tokens` / `new_text`; with
