@@ -104,6 +104,7 @@ def _add_bench_transfer(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--pages", default="mamba2,hybrid", help="comma-separated: mamba2, hybrid")
     p.add_argument("--dtypes", default="float32,bfloat16", help="SSM state dtypes, comma-separated")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--in-flight", type=int, default=8, help="nccl: requests posted back to back in a timed run")
     p.add_argument("--stream-model", default=None, help="default: Mamba2-2.7B shape (dummy) on CUDA, tiny on CPU")
     p.add_argument("--stream-tokens", type=int, default=2048)
     p.add_argument("--tiny", action="store_true", help="tiny page shapes (smoke tests)")
@@ -117,7 +118,7 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     opts = transfer.TransferBenchOptions(
         connectors=args.connectors.split(","), kinds=args.pages.split(","), dtypes=args.dtypes.split(","),
         shape=transfer.PageShape.tiny() if args.tiny else transfer.PageShape(), repeats=args.repeats, device=args.device,
-        stream_model=args.stream_model, stream_tokens=args.stream_tokens,
+        in_flight=args.in_flight, stream_model=args.stream_model, stream_tokens=args.stream_tokens,
     )
     result = transfer.run_transfer_bench(opts, on_row=lambda r: print(
         f"[bench] {r['connector']} {r['pages']} {r['state_dtype']}: {r['gbps']:.2f} GB/s ({r['ratio']:.2f}x baseline)",

@@ -1,10 +1,17 @@
 """`bench transfer` for the NCCL connector: NcclConnector vs raw torch.distributed send/recv.
 
 Two spawned processes, rank 0 sending (cuda:0 on GPU) and rank 1 receiving (cuda:1); on the CPU
-both use gloo. Each run, timed on the receiver from a barrier to the last byte in place (device
-synchronized): the raw baseline sends the request's bytes as ONE uint8 message on the default
-group; the connector sends the StatePages (metadata over ZMQ, p2p on its private group). The
-first connector run is checked byte for byte against the pages the sender made.
+both use gloo. Each run is timed on the receiver from a barrier to the last byte in place (device
+synchronized):
+
+  raw        the request's bytes as ONE uint8 message on the default group (the baseline)
+  one        the connector moving one request (metadata over ZMQ, p2p on its private group,
+             checksums): a latency figure, fixed per-request costs included
+  in flight  the connector moving `in_flight` requests posted back to back, as a prefill worker
+             does under load: the receiver posts the next recv while it checks one, so fixed
+             per-request costs overlap the link; GB/s counts all their bytes
+
+The first connector run is checked byte for byte against the pages the sender made.
 """
 
 from __future__ import annotations
@@ -21,8 +28,10 @@ import torch.distributed as dist
 from pd_ssm.bench.transfer import TOKEN, PageShape, make_pages, renamed
 
 
-def p2p_gbps(kind: str, dtype: str, shape: PageShape, device: str, repeats: int, timeout: float) -> tuple[float, float]:
-    """(connector GB/s, raw send/recv GB/s), medians of `repeats` runs after a warm-up."""
+def p2p_gbps(
+    kind: str, dtype: str, shape: PageShape, device: str, repeats: int, timeout: float, in_flight: int = 8
+) -> dict[str, float]:
+    """GB/s of "raw", "one" and "in_flight" (module docstring), medians of `repeats` runs after a warm-up."""
     if device == "cuda" and torch.cuda.device_count() < 2:
         raise ValueError("bench transfer --device cuda needs two GPUs for the NCCL part (cuda:0 -> cuda:1)")
     ctx = mp.get_context("spawn")
@@ -31,7 +40,7 @@ def p2p_gbps(kind: str, dtype: str, shape: PageShape, device: str, repeats: int,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = (kind, dtype, shape, device, repeats, timeout, port)
+    args = (kind, dtype, shape, device, repeats, timeout, in_flight, port)
     procs = [ctx.Process(target=_receiver, args=(*args, to_sender, results)),
              ctx.Process(target=_sender, args=(*args, to_sender))]
     for p in procs:
@@ -46,8 +55,12 @@ def p2p_gbps(kind: str, dtype: str, shape: PageShape, device: str, repeats: int,
                 p.join()
     if isinstance(out, str):
         raise RuntimeError(f"bench transfer (nccl): the receiver failed: {out}")
-    nbytes, conn_s, raw_s = out
-    return nbytes / statistics.median(conn_s) / 1e9, nbytes / statistics.median(raw_s) / 1e9
+    nbytes, times = out
+    return {
+        "raw": nbytes / statistics.median(times["raw"]) / 1e9,
+        "one": nbytes / statistics.median(times["one"]) / 1e9,
+        "in_flight": in_flight * nbytes / statistics.median(times["in_flight"]) / 1e9,
+    }
 
 
 def _dev(device: str, rank: int) -> torch.device:
@@ -67,8 +80,8 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _sender(kind: str, dtype: str, shape: PageShape, device: str, repeats: int, timeout: float, port: int,
-            to_sender: Any) -> None:
+def _sender(kind: str, dtype: str, shape: PageShape, device: str, repeats: int, timeout: float, in_flight: int,
+            port: int, to_sender: Any) -> None:
     from pd_ssm.state_transfer.base import Ticket
     from pd_ssm.state_transfer.nccl_connector import NcclConfig, NcclConnector
 
@@ -84,28 +97,30 @@ def _sender(kind: str, dtype: str, shape: PageShape, device: str, repeats: int, 
         dist.barrier()
         dist.send(flat, dst=1)
         _sync(dev)
-    for i in range(repeats + 1):
-        dist.barrier()
-        assert tx.address is not None
-        req = renamed(pages, f"p2p-{i}")
-        tx.send(req, Ticket(req.req_id, tx.address, 0, [], time.monotonic() + timeout, TOKEN))
-        if not tx.flush(timeout):
-            raise RuntimeError(f"nccl bench: send {i} did not complete in {timeout} s: {tx.get_failed()}")
+    assert tx.address is not None
+    for n in (1, in_flight):
+        for i in range(repeats + 1):
+            dist.barrier()
+            for j in range(n):
+                req = renamed(pages, f"p2p-{n}-{i}-{j}")
+                tx.send(req, Ticket(req.req_id, tx.address, 0, [], time.monotonic() + timeout, TOKEN))
+            if not tx.flush(timeout):
+                raise RuntimeError(f"nccl bench: sends of run {i} did not complete in {timeout} s: {tx.get_failed()}")
     dist.barrier()
     tx.close()
     dist.destroy_process_group()
 
 
-def _receiver(kind: str, dtype: str, shape: PageShape, device: str, repeats: int, timeout: float, port: int,
-              to_sender: Any, results: Any) -> None:
+def _receiver(kind: str, dtype: str, shape: PageShape, device: str, repeats: int, timeout: float, in_flight: int,
+              port: int, to_sender: Any, results: Any) -> None:
     try:
-        results.put(_receive(kind, dtype, shape, device, repeats, timeout, port, to_sender))
+        results.put(_receive(kind, dtype, shape, device, repeats, timeout, in_flight, port, to_sender))
     except Exception as e:  # reported to the parent, which raises it with the message
         results.put(f"{type(e).__name__}: {e}")
 
 
-def _receive(kind: str, dtype: str, shape: PageShape, device: str, repeats: int, timeout: float, port: int,
-             to_sender: Any) -> tuple[int, list[float], list[float]]:
+def _receive(kind: str, dtype: str, shape: PageShape, device: str, repeats: int, timeout: float, in_flight: int,
+             port: int, to_sender: Any) -> tuple[int, dict[str, list[float]]]:
     from pd_ssm.state_transfer.nccl_connector import NcclConfig, NcclConnector
     from pd_ssm.state_transfer.reservations import ReservationTable
 
@@ -130,22 +145,31 @@ def _receive(kind: str, dtype: str, shape: PageShape, device: str, repeats: int,
         dist.recv(buf, src=0)
         _sync(dev)
         raw.append(time.perf_counter() - t0)
-    conn: list[float] = []
-    for i in range(repeats + 1):
-        table.reserve(f"p2p-{i}", rx.address or "", slot=0)
-        dist.barrier()
-        t0 = time.perf_counter()
-        got = rx.recv(timeout=timeout)
-        _sync(dev)
-        conn.append(time.perf_counter() - t0)
-        if got is None:
-            raise RuntimeError(f"nccl bench: request {i} did not arrive: {rx.get_failed()}")
-        if i == 0:
-            for idx, page in expect.layers.items():
-                for name, t in page.tensors.items():
-                    if not torch.equal(t.view(torch.uint8), got.layers[idx].tensors[name].cpu().view(torch.uint8)):
-                        raise RuntimeError(f"nccl bench: layer {idx} {name!r} arrived different")
+    times: dict[str, list[float]] = {"raw": raw[1:]}
+    for n, key in ((1, "one"), (in_flight, "in_flight")):
+        runs: list[float] = []
+        for i in range(repeats + 1):
+            ids = [f"p2p-{n}-{i}-{j}" for j in range(n)]
+            for req_id in ids:
+                table.reserve(req_id, rx.address or "", slot=0)
+            dist.barrier()
+            t0 = time.perf_counter()
+            got = [rx.recv(timeout=timeout) for _ in ids]
+            _sync(dev)
+            runs.append(time.perf_counter() - t0)
+            if any(g is None for g in got):
+                raise RuntimeError(f"nccl bench: run {i} of {n}: a request did not arrive: {rx.get_failed()}")
+            if i == 0:
+                _check_same(expect, got[0])
+        times[key] = runs[1:]
     dist.barrier()
     rx.close()
     dist.destroy_process_group()
-    return nbytes, conn[1:], raw[1:]
+    return nbytes, times
+
+
+def _check_same(expect: Any, got: Any) -> None:
+    for idx, page in expect.layers.items():
+        for name, t in page.tensors.items():
+            if not torch.equal(t.view(torch.uint8), got.layers[idx].tensors[name].cpu().view(torch.uint8)):
+                raise RuntimeError(f"nccl bench: layer {idx} {name!r} arrived different")

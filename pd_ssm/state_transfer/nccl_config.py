@@ -18,14 +18,16 @@ class NcclConfig:
     timeout: float = 30.0  # seconds: pairing, and a p2p op from its post to its completion
     send_timeout: float = 5.0  # seconds the metadata may wait for the peer to accept it
     recv_device: str | None = None  # where received tensors go; None: `device` (views, no copy)
+    # receiver: bytes of p2p recvs posted ahead of the request being checked (at least one is)
+    recv_window: int = 1 << 30
     backend: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
         if not self.token:
             raise ValueError("NcclConfig.token is empty: peers authenticate with the shared cluster token")
         split_tcp(self.rendezvous)
-        if self.timeout <= 0 or self.send_timeout <= 0:
-            raise ValueError(f"NcclConfig: timeout and send_timeout must be > 0: {self}")
+        if self.timeout <= 0 or self.send_timeout <= 0 or self.recv_window <= 0:
+            raise ValueError(f"NcclConfig: timeout, send_timeout and recv_window must be > 0: {self}")
         kind = torch.device(self.device).type
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"NcclConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -67,7 +67,7 @@ def join_store(rendezvous: str, timeout: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
 
 
-_POLL_S = 20e-6  # seconds between completion polls of an NCCL p2p (a query of its CUDA event)
+POLL_S = 20e-6  # seconds between completion polls of an NCCL p2p (a query of its CUDA event)
 
 
 class PeerGroup:
@@ -113,7 +113,7 @@ class PeerGroup:
     def wait(self, work: Any, timeout: float) -> str | None:
         """Block until `work` completes: None if it did, else why not (peer gone, timed out).
 
-        NCCL: poll the work's completion event ourselves every _POLL_S, then `wait()` without a
+        NCCL: poll the work's completion event ourselves every POLL_S, then `wait()` without a
         timeout (returns at once, surfaces an error). A wait *with* a timeout sleeps between its own
         polls in coarse steps, which cost milliseconds per request: more than moving 168 MB over
         NVLink. After a failure the group is unusable: the p2p stream may hold half a message."""
@@ -123,7 +123,7 @@ class PeerGroup:
                 while not work.is_completed():
                     if time.monotonic() > end:
                         return f"timed out after {timeout:.1f} s"
-                    time.sleep(_POLL_S)
+                    time.sleep(POLL_S)
                 work.wait()
                 return None
             ok = work.wait(timedelta(seconds=max(timeout, 0.001)))

@@ -1,14 +1,16 @@
 """The NCCL connector's messages: the side-channel control part, and the coalesced p2p buffer with
-the msgpack list that says where each tensor sits in it.
+the msgpack list that says where each run of tensors sits in it.
 
 Side channel (ZMQ), one multipart message each:
   hello  [token, control{kind="hello", gen, req_id="", nbytes=0}]: a sender joins generation `gen`
-  data   [token, control{kind="data", gen, req_id, nbytes}, request header, request payload, tensors]
+  data   [token, control{kind="data", gen, req_id, nbytes}, request header, request payload, runs]
   abort  [token, control{kind="abort", gen, req_id, nbytes=0}]: the sender gave `req_id` up
-p2p: ONE uint8 buffer of `nbytes` with every tensor at a BLOCK-aligned offset (nccl_checksum.py),
-zero-filled gaps; aligned offsets let the receiver hand out dtype views of the buffer, no copy.
+p2p: ONE uint8 buffer of `nbytes`. A run is the tensors of one name and shape over the layers
+that have it (e.g. every SSM layer's "ssm" state), stacked in layer order; every run starts at a
+BLOCK-aligned offset (nccl_checksum.py) and the gaps are zero-filled, so the receiver hands out
+per-layer views of the buffer, no copy, and checks one checksum per run.
 
-Parsing is as strict as wire.py's: every field typed and bounded, no ext types, and the tensors
+Parsing is as strict as wire.py's: every field typed and bounded, no ext types, and the runs
 must tile the buffer exactly, in order, so a malformed header can never make the receiver read
 outside the bytes it received.
 """
@@ -35,8 +37,8 @@ from pd_ssm.state_transfer.wire import (
 )
 
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-_MAX_META_BYTES = 16 << 20  # the tensors list: ~100 B per tensor
-_TENSOR_KEYS = frozenset({"layer", "page_kind", "name", "dtype", "shape", "offset", "nbytes", "checksum"})
+_MAX_META_BYTES = 16 << 20  # the runs list: ~100 B per run plus the layer numbers
+_RUN_KEYS = frozenset({"layers", "page_kind", "name", "dtype", "shape", "offset", "nbytes", "checksum"})
 _CONTROL_KEYS = frozenset({"kind", "gen", "req_id", "nbytes"})
 CONTROL_KINDS = ("hello", "data", "abort")
 
@@ -55,82 +57,98 @@ class Control:
 
 
 @dataclass(frozen=True, slots=True)
-class TensorMeta:
-    """One tensor's place in the coalesced buffer."""
+class RunMeta:
+    """One run's place in the coalesced buffer: the same-named tensors of `layers`, stacked."""
 
-    layer: int
+    layers: tuple[int, ...]  # in the order they are stacked
     page_kind: str
     name: str
     dtype: torch.dtype
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # of ONE layer's tensor
     offset: int  # BLOCK-aligned
-    nbytes: int
+    nbytes: int  # len(layers) x one tensor's bytes
     checksum: int  # nccl_checksum.tensor_checksum of this header and [offset, align(offset + nbytes))
 
 
-def pack(pages: StatePages, device: torch.device) -> tuple[torch.Tensor, list[dict[str, Any]]]:
-    """All tensors in one uint8 buffer on `device` (one `cat` kernel), and each one's metadata.
-
-    Tensors already on `device` are read in place; this one device copy is the only staging the
-    NCCL path does (one p2p message is ~3x faster than one per tensor on NVLink, TARGETS.md)."""
-    parts: list[torch.Tensor] = []
-    metas: list[dict[str, Any]] = []
-    zeros = torch.zeros(BLOCK, dtype=torch.uint8, device=device)
-    offset = 0
+def _runs(pages: StatePages) -> list[tuple[tuple[str, str, torch.dtype, tuple[int, ...]], list[int], list[torch.Tensor]]]:
+    """The pages' tensors grouped by (page kind, name, dtype, shape), layers ascending, in order of
+    first appearance: a Mamba2 request is 2 runs (conv, ssm), a hybrid 4 (+ k, v)."""
+    runs: dict[tuple[str, str, torch.dtype, tuple[int, ...]], tuple[list[int], list[torch.Tensor]]] = {}
     for layer_idx in sorted(pages.layers):
         page = pages.layers[layer_idx]
         for name in sorted(page.tensors):
             t = page.tensors[name]
-            dtype = _DTYPE_NAMES.get(t.dtype)
-            if dtype is None:
-                raise ValueError(f"dtype {t.dtype} cannot go on the wire; allowed: {sorted(DTYPES)}")
-            n = t.numel() * t.element_size()
-            if n:
-                parts.append(t.detach().to(device).contiguous().reshape(-1).view(torch.uint8))
-            if align(n) > n:
-                parts.append(zeros[: align(n) - n])
-            metas.append(
-                {"layer": layer_idx, "page_kind": page.kind, "name": name, "dtype": dtype,
-                 "shape": list(t.shape), "offset": offset, "nbytes": n, "checksum": 0}
-            )
-            offset += align(n)
+            key = (page.kind, name, t.dtype, tuple(t.shape))
+            layers, tensors = runs.setdefault(key, ([], []))
+            layers.append(layer_idx)
+            tensors.append(t)
+    return [(key, layers, tensors) for key, (layers, tensors) in runs.items()]
+
+
+def pack(pages: StatePages, device: torch.device) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+    """All tensors in one uint8 buffer on `device`, and the metadata of each run.
+
+    Tensors of the same name and shape over the layers form a run, stacked by ONE kernel straight
+    into its place in the buffer: per-tensor work in Python (128 tensors for Mamba2-2.7B) would
+    cost milliseconds a request, more than moving its 168 MB over NVLink. The buffer is the only
+    staging the NCCL path does (one p2p message is ~3x faster than one per tensor, TARGETS.md)."""
+    runs = _runs(pages)
+    metas: list[dict[str, Any]] = []
+    offset = 0
+    for (kind, name, dt, shape), layers, _ in runs:
+        dtype = _DTYPE_NAMES.get(dt)
+        if dtype is None:
+            raise ValueError(f"dtype {dt} cannot go on the wire; allowed: {sorted(DTYPES)}")
+        n = len(layers) * math.prod(shape) * dt.itemsize
+        metas.append({"layers": layers, "page_kind": kind, "name": name, "dtype": dtype, "shape": list(shape),
+                      "offset": offset, "nbytes": n, "checksum": 0})
+        offset += align(n)
     buf = torch.empty(offset, dtype=torch.uint8, device=device)
-    if parts:
-        torch.cat(parts, out=buf)
+    for m, (_, layers, tensors) in zip(metas, runs, strict=True):
+        start, n = m["offset"], m["nbytes"]
+        if n:
+            out = buf[start : start + n].view(tensors[0].dtype).view(len(layers), *m["shape"])
+            if tensors[0].device != buf.device:  # host pages for a GPU buffer: the slow path
+                tensors = [t.to(buf.device) for t in tensors]
+            torch.stack([t.detach() for t in tensors], out=out)
+        buf[start + n : align(start + n)].zero_()  # the gap is summed: both sides must see zeros
     seal(metas, buf)
     return buf, metas
 
 
 def seal(metas: list[dict[str, Any]], buf: torch.Tensor) -> None:
-    """Fill in each tensor header's checksum (over the header itself and its bytes in `buf`)."""
+    """Fill in each run header's checksum (over the header itself and its bytes in `buf`)."""
     sums = block_sums(buf)
     for m in metas:
         m["checksum"] = tensor_checksum(sums, m["offset"], m["nbytes"], _describe(
-            m["layer"], m["page_kind"], m["name"], m["dtype"], m["shape"], m["offset"], m["nbytes"]
+            m["layers"], m["page_kind"], m["name"], m["dtype"], m["shape"], m["offset"], m["nbytes"]
         ))
 
 
-def _describe(layer: int, kind: str, name: str, dtype: str, shape: Any, offset: int, nbytes: int) -> bytes:
+def _describe(layers: Any, kind: str, name: str, dtype: str, shape: Any, offset: int, nbytes: int) -> bytes:
     """The header fields a checksum covers, in one canonical byte string."""
-    return msgpack.packb([layer, kind, name, dtype, list(shape), offset, nbytes], use_bin_type=True)
+    return msgpack.packb([list(layers), kind, name, dtype, list(shape), offset, nbytes], use_bin_type=True)
 
 
-def unpack(request: RequestState, metas: list[TensorMeta], buf: torch.Tensor, device: torch.device) -> StatePages:
-    """Verify every tensor's checksum, then return views of `buf` (copies if `device` differs)."""
+def unpack(request: RequestState, metas: list[RunMeta], buf: torch.Tensor, device: torch.device) -> StatePages:
+    """Verify every run's checksum, then return per-layer views of `buf` (one copy per run if
+    `device` differs)."""
     sums = block_sums(buf)
     pages = StatePages(request)
     for m in metas:
-        header = _describe(m.layer, m.page_kind, m.name, _DTYPE_NAMES[m.dtype], m.shape, m.offset, m.nbytes)
+        header = _describe(m.layers, m.page_kind, m.name, _DTYPE_NAMES[m.dtype], m.shape, m.offset, m.nbytes)
         got = tensor_checksum(sums, m.offset, m.nbytes, header)
         if got != m.checksum:
             raise FrameError(
-                f"checksum mismatch on layer {m.layer} {m.name!r}: computed {got:#010x}, sent {m.checksum:#010x}"
+                f"checksum mismatch on {m.name!r} of layers {list(m.layers)}: computed {got:#010x}, "
+                f"sent {m.checksum:#010x}"
             )
-        tensor = buf[m.offset : m.offset + m.nbytes].view(m.dtype).view(m.shape).to(device)
-        page = pages.layers.setdefault(m.layer, LayerPages(m.layer, m.page_kind, {}))
-        if page.kind != m.page_kind or m.name in page.tensors:
-            raise FrameError(f"layer {m.layer}: tensor {m.name!r} repeated or page kinds disagree")
-        page.tensors[m.name] = tensor
+        stacked = buf[m.offset : m.offset + m.nbytes].view(m.dtype).view(len(m.layers), *m.shape).to(device)
+        for layer_idx, tensor in zip(m.layers, stacked.unbind(0), strict=True):
+            page = pages.layers.setdefault(layer_idx, LayerPages(layer_idx, m.page_kind, {}))
+            if page.kind != m.page_kind or m.name in page.tensors:
+                raise FrameError(f"layer {layer_idx}: tensor {m.name!r} repeated or page kinds disagree")
+            page.tensors[m.name] = tensor
     return pages
 
 
@@ -168,21 +186,29 @@ def parse_request(header: bytes, payload: bytes, req_id: str) -> RequestState:
     return RequestState(**frame.body)
 
 
-def parse_tensors(raw: bytes, total: int) -> list[TensorMeta]:
-    """Each tensor's header, checked: types, dtype, shape x itemsize == nbytes, and the tensors
-    tile [0, total) exactly, in order, each at the BLOCK-aligned end of the previous one."""
-    items = _unpack_msgpack(raw, _MAX_META_BYTES, "tensors part")
+def parse_tensors(raw: bytes, total: int) -> list[RunMeta]:
+    """Each run's header, checked: types, dtype, len(layers) x shape x itemsize == nbytes, and the
+    runs tile [0, total) exactly, in order, each at the BLOCK-aligned end of the previous one."""
+    items = _unpack_msgpack(raw, _MAX_META_BYTES, "runs part")
     if type(items) is not list:
-        raise FrameError(f"tensors part must be a msgpack list, got {type(items).__name__}")
+        raise FrameError(f"runs part must be a msgpack list, got {type(items).__name__}")
     metas, offset = [], 0
     for d in items:
-        if not isinstance(d, dict) or set(d) != _TENSOR_KEYS:
-            raise FrameError(f"tensor header must have exactly the keys {sorted(_TENSOR_KEYS)}: {d!r:.120}")
-        ints = [d[k] for k in ("layer", "offset", "nbytes", "checksum")]
+        if not isinstance(d, dict) or set(d) != _RUN_KEYS:
+            raise FrameError(f"run header must have exactly the keys {sorted(_RUN_KEYS)}: {d!r:.120}")
+        ints = [d[k] for k in ("offset", "nbytes", "checksum")]
         if any(type(v) is not int or v < 0 for v in ints):
-            raise FrameError(f"tensor header: layer, offset, nbytes, checksum must be non-negative ints: {d!r:.120}")
+            raise FrameError(f"run header: offset, nbytes, checksum must be non-negative ints: {d!r:.120}")
+        layers = d["layers"]
+        if (
+            type(layers) is not list
+            or not layers
+            or any(type(v) is not int or v < 0 for v in layers)
+            or any(a >= b for a, b in zip(layers, layers[1:], strict=False))
+        ):
+            raise FrameError(f"run header: layers must be a non-empty ascending list of layer numbers: {d!r:.120}")
         if d["page_kind"] not in PAGE_KINDS or type(d["name"]) is not str or d["dtype"] not in DTYPES:
-            raise FrameError(f"tensor header: bad page_kind, name or dtype: {d!r:.120}")
+            raise FrameError(f"run header: bad page_kind, name or dtype: {d!r:.120}")
         shape = d["shape"]
         if (
             type(shape) is not list
@@ -190,17 +216,17 @@ def parse_tensors(raw: bytes, total: int) -> list[TensorMeta]:
             or any(type(s) is not int or s < 0 for s in shape)
         ):
             raise FrameError(
-                f"tensor header: shape must be a list of <= {MAX_NDIM} non-negative ints: {shape!r:.80}"
+                f"run header: shape must be a list of <= {MAX_NDIM} non-negative ints: {shape!r:.80}"
             )
         dtype = DTYPES[d["dtype"]]
-        if math.prod(shape) * dtype.itemsize != d["nbytes"] or d["nbytes"] > MAX_PAYLOAD_BYTES:
-            raise FrameError(f"tensor header: shape {shape} x {dtype.itemsize} B != nbytes {d['nbytes']}")
+        one = math.prod(shape) * dtype.itemsize
+        if one > MAX_PAYLOAD_BYTES or len(layers) * one != d["nbytes"]:
+            raise FrameError(f"run header: {len(layers)} layers x shape {shape} x {dtype.itemsize} B != nbytes {d['nbytes']}")
         if d["offset"] != offset:
-            raise FrameError(f"tensor header: offset {d['offset']} but the previous tensor ended at {offset}")
+            raise FrameError(f"run header: offset {d['offset']} but the previous run ended at {offset}")
         offset += align(d["nbytes"])
-        metas.append(
-            TensorMeta(d["layer"], d["page_kind"], d["name"], dtype, tuple(shape), d["offset"], d["nbytes"], d["checksum"])
-        )
+        metas.append(RunMeta(tuple(layers), d["page_kind"], d["name"], dtype, tuple(shape), d["offset"], d["nbytes"],
+                             d["checksum"]))
     if offset != total:
-        raise FrameError(f"tensor headers cover {offset} bytes but the p2p message has {total}")
+        raise FrameError(f"run headers cover {offset} bytes but the p2p message has {total}")
     return metas

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import hmac
 import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +25,7 @@ from pd_ssm.state_transfer.nccl_config import NcclConfig
 from pd_ssm.state_transfer.nccl_group import (
     ADDRESS_KEY,
     GEN_KEY,
+    POLL_S,
     RECEIVER_RANK,
     PeerGroup,
     dropped_key,
@@ -31,6 +35,19 @@ from pd_ssm.state_transfer.nccl_group import (
 from pd_ssm.state_transfer.nccl_message import Control, parse_control, parse_request, parse_tensors, unpack
 from pd_ssm.state_transfer.reservations import ReservationTable
 from pd_ssm.state_transfer.wire import FrameError
+
+
+@dataclass(slots=True)
+class _Incoming:
+    """A side-channel message read and, for data, its p2p recv posted."""
+
+    msg: list[bytes]
+    control: Control
+    authentic: bool
+    start: float  # time.monotonic() it was read
+    buf: torch.Tensor | None = None  # where its p2p bytes land
+    work: Any = None  # the posted recv, until it completed or failed
+    lost: str | None = None  # why its bytes cannot come
 
 
 class NcclReceiver:
@@ -54,6 +71,7 @@ class NcclReceiver:
         store.set(ADDRESS_KEY, self.address)
         self.rendezvous = f"tcp://{split_tcp(config.rendezvous)[0]}:{store.port}"
         self._store: dist.TCPStore | None = store
+        self._queue: deque[_Incoming] = deque()  # side-channel messages read, in order, not yet acted on
 
     @property
     def paired(self) -> bool:
@@ -62,16 +80,38 @@ class NcclReceiver:
     def recv(self, timeout: float | None) -> StatePages | None:
         end = None if timeout is None else time.monotonic() + timeout
         while True:
-            left = None if end is None else max(0.0, end - time.monotonic())
-            if not self._pull.poll(None if left is None else int(left * 1000)):
-                return None
-            pages = self._accept(self._pull.recv_multipart())
-            if pages is not None:
-                return pages
+            self._fill()
+            if self._queue:
+                pages = self._finish(self._queue[0])  # stays queued meanwhile: lose_peer fails it too
+                self._queue.popleft()
+                if pages is not None:
+                    return pages
+            else:
+                left = None if end is None else max(0.0, end - time.monotonic())
+                if not self._pull.poll(None if left is None else int(left * 1000)):
+                    return None
             if end is not None and time.monotonic() >= end:
                 return None
 
-    def _accept(self, msg: list[bytes]) -> StatePages | None:
+    def _fill(self) -> None:
+        """Read the side-channel messages already there, in order, and post each data message's
+        p2p recv at once while fewer than `recv_window` bytes are posted: NCCL moves the next
+        request while this one is checked, so the link does not idle between requests. A hello or
+        abort ends the batch (it must act after the messages before it, and a hello changes the
+        group that later recvs go on)."""
+        while not self._queue or (self._queue[-1].control.kind == "data" and self._posted_bytes() < self.config.recv_window):
+            if not self._pull.poll(0):
+                return
+            item = self._read(self._pull.recv_multipart())
+            if item is not None:
+                self._queue.append(item)
+
+    def _posted_bytes(self) -> int:
+        return sum(i.buf.numel() for i in self._queue if i.buf is not None and i.work is not None)
+
+    def _read(self, msg: list[bytes]) -> _Incoming | None:
+        """Parse the control part; for a data message, post its recv (always, to keep the stream in
+        sync). None for a message that is dealt with here (unparsable control part)."""
         authentic = hmac.compare_digest(msg[0], self._token)
         try:
             if len(msg) < 2:
@@ -83,18 +123,35 @@ class NcclReceiver:
                 self.lose_peer(f"unreadable control part: {e}")
             self.ledger.fail_anonymous("malformed", f"side-channel message dropped: {e}")
             return None
+        item = _Incoming(msg, control, authentic, time.monotonic())
+        if control.kind != "data":
+            return item
+        if self._group is None or control.gen != self._group.gen:
+            item.lost = f"sent on pairing generation {control.gen}, which is gone (its sender died or was replaced)"
+            return item
+        item.buf = torch.empty(control.nbytes, dtype=torch.uint8, device=self.device)
+        if control.nbytes:
+            try:
+                item.work = self._group.irecv(item.buf)
+            except RuntimeError as e:
+                self._lost(item, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        return item
+
+    def _finish(self, item: _Incoming) -> StatePages | None:
+        """The next message in order: act on it, or wait for its bytes and check them."""
+        control = item.control
         if control.kind == "hello":
-            self._hello(control, authentic)
+            self._hello(control, item.authentic)
             return None
         if control.kind == "abort":
-            if not authentic:  # an intruder must not cancel reservations
+            if not item.authentic:  # an intruder must not cancel reservations
                 self.ledger.fail_anonymous("unauthenticated", f"abort of {control.req_id!r} with a wrong token")
             elif control.req_id in self.table:  # otherwise it arrived or failed already: nothing to undo
                 self._fail(control.req_id, "aborted by the sender")
             return None
-        start = time.monotonic()
-        buf, lost = self._drain(control)
-        if not authentic:
+        if item.work is not None:
+            self._wait(item)
+        if not item.authentic:
             self.ledger.fail_anonymous("unauthenticated", (
                 f"request {control.req_id!r} with a wrong cluster token: {control.nbytes} bytes dropped"
             ))
@@ -106,25 +163,46 @@ class NcclReceiver:
         if ticket is None:
             self.ledger.fail(req_id, "no reservation for this request (unknown, completed or expired)")
             return None
-        if lost is not None:
-            self._fail(req_id, lost)
+        if item.lost is not None:
+            self._fail(req_id, item.lost)
             return None
         if ticket.expired(self.table.clock()):
             self._fail(req_id, "its reservation expired before the pages arrived")
             return None
         try:
-            if len(msg) != 5:
-                raise FrameError(f"a data message has 5 parts, this one {len(msg)}")
-            request = parse_request(msg[2], msg[3], req_id)
-            metas = parse_tensors(msg[4], control.nbytes)
-            assert buf is not None
-            pages = unpack(request, metas, buf, self.recv_device)
+            if len(item.msg) != 5:
+                raise FrameError(f"a data message has 5 parts, this one {len(item.msg)}")
+            request = parse_request(item.msg[2], item.msg[3], req_id)
+            metas = parse_tensors(item.msg[4], control.nbytes)
+            assert item.buf is not None
+            pages = unpack(request, metas, item.buf, self.recv_device)
         except FrameError as e:
             self._fail(req_id, f"bad metadata or bytes: {e}")
             return None
         self.table.complete(req_id)
-        self.ledger.received(TransferStats(req_id, control.nbytes, time.monotonic() - start))
+        self.ledger.received(TransferStats(req_id, control.nbytes, time.monotonic() - item.start))
         return pages
+
+    def _wait(self, item: _Incoming) -> None:
+        """Until `item`'s recv completed (taking in and posting the next messages meanwhile, where
+        the backend can be polled), or failed: then the peer is lost."""
+        group, work = self._group, item.work
+        assert group is not None and work is not None
+        end = time.monotonic() + self.config.timeout
+        while group.done(work) is False and time.monotonic() < end:
+            self._fill()
+            if item.work is None:  # the peer was lost meanwhile
+                return
+            time.sleep(POLL_S)
+        why = group.wait(work, max(0.0, end - time.monotonic()))
+        item.work = None
+        if why is not None:
+            self.lose_peer(f"p2p recv failed: {why}")
+            item.lost = f"peer lost mid-transfer ({item.control.nbytes} B): {why}"
+
+    def _lost(self, item: _Incoming, why: str) -> None:
+        self.lose_peer(f"p2p recv failed: {why}")
+        item.lost = f"peer lost mid-transfer ({item.control.nbytes} B): {why}"
 
     def _fail(self, req_id: str, reason: str) -> None:
         """The request's reservation is released and its failure reported (the caller frees its pages)."""
@@ -145,26 +223,13 @@ class NcclReceiver:
         except RuntimeError as e:
             self.ledger.fail_anonymous("pairing", f"generation {control.gen} did not pair: {e}")
 
-    def _drain(self, control: Control) -> tuple[torch.Tensor | None, str | None]:
-        """The p2p bytes of a data message (always, to keep the stream in sync), or why there are none."""
-        if self._group is None or control.gen != self._group.gen:
-            return None, f"sent on pairing generation {control.gen}, which is gone (its sender died or was replaced)"
-        buf = torch.empty(control.nbytes, dtype=torch.uint8, device=self.device)
-        if control.nbytes == 0:
-            return buf, None
-        try:
-            work = self._group.irecv(buf)
-        except RuntimeError as e:
-            why: str | None = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        else:
-            why = self._group.wait(work, self.config.timeout)
-        if why is None:
-            return buf, None
-        self.lose_peer(f"p2p recv failed: {why}")
-        return None, f"peer lost mid-transfer ({control.nbytes} B): {why}"
-
     def lose_peer(self, reason: str) -> None:
-        """Tear the group down and tell its sender through the store; the next hello pairs again."""
+        """Tear the group down and tell its sender through the store; the next hello pairs again.
+        Every recv posted on it fails (its bytes may be half on the stream)."""
+        for item in self._queue:
+            if item.work is not None:
+                item.work = None
+                item.lost = f"peer lost mid-transfer ({item.control.nbytes} B): {reason}"
         if self._group is not None:
             if self._store is not None:
                 self._store.set(dropped_key(self._group.gen), reason)

@@ -23,6 +23,8 @@ def test_cli_runs_every_part_and_writes_json(tmp_path: Path, capsys: pytest.Capt
     for r in result["rows"]:
         assert r["gbps"] > 0 and r["baseline_gbps"] > 0 and r["ratio"] == pytest.approx(r["gbps"] / r["baseline_gbps"])
         assert r["state_dtype"] == "bfloat16" and r["nbytes"] > 0
+        if r["connector"] == "nccl":  # the row is the loaded figure; one request alone comes beside it
+            assert r["in_flight"] == 8 and r["one_gbps"] > 0 and r["one_ratio"] == pytest.approx(r["one_gbps"] / r["baseline_gbps"])
     s = result["stream"]
     assert s["tokens"] == 24 and s["transfer_ms"] > 0 and 0 <= s["overlap_ms"] <= s["transfer_ms"]
     assert s["prefill_ms"] > 0 and s["streamed_total_ms"] > 0 and 0.0 <= s["hidden"] <= 1.0

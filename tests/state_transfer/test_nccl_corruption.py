@@ -52,17 +52,17 @@ def _send_mangled_then_good(mangle: Mangle, tx: NcclConnector) -> None:
 
 
 def flip_payload_bit(parts: Parts, metas: list[dict[str, Any]], buf: torch.Tensor) -> tuple[Parts, torch.Tensor]:
-    buf[metas[1]["offset"] + 37] ^= 0x10  # one bit of layer 0's SSM state
+    buf[metas[1]["offset"] + 37] ^= 0x10  # one bit of layer 0's SSM state (the "ssm" run of layers 0, 2)
     return parts, buf
 
 
 def flip_padding_bit(parts: Parts, metas: list[dict[str, Any]], buf: torch.Tensor) -> tuple[Parts, torch.Tensor]:
-    buf[metas[0]["nbytes"] + 3] ^= 0x01  # a gap byte after layer 0's conv: on the wire, so checked
+    buf[metas[0]["nbytes"] + 3] ^= 0x01  # a gap byte after the "conv" run: on the wire, so checked
     return parts, buf
 
 
 def claim_more_bytes(parts: Parts, metas: list[dict[str, Any]], buf: torch.Tensor) -> tuple[Parts, torch.Tensor]:
-    k = metas[2]  # layer 1 "k", [9, 2, 16]: one row more still ends inside its block padding,
+    k = metas[2]  # the "k" run (layer 1), [9, 2, 16]: one row more still ends inside its block padding,
     k["shape"] = [10, 2, 16]  # so only the checksum (over the header too) can tell
     k["nbytes"] = 10 * 2 * 16 * 4
     return parts, buf
@@ -106,7 +106,7 @@ def drop_request_parts(parts: Parts, metas: list[dict[str, Any]], buf: torch.Ten
 
 
 def repeat_a_tensor(parts: Parts, metas: list[dict[str, Any]], buf: torch.Tensor) -> tuple[Parts, torch.Tensor]:
-    metas[1]["name"] = metas[0]["name"]  # layer 0 "ssm" renamed "conv": a buggy exporter, checksums resealed
+    metas[1]["name"] = metas[0]["name"]  # the "ssm" run renamed "conv": a buggy exporter, checksums resealed
     seal(metas, buf)
     return parts, buf
 
@@ -114,12 +114,12 @@ def repeat_a_tensor(parts: Parts, metas: list[dict[str, Any]], buf: torch.Tensor
 @pytest.mark.parametrize(
     "mangle,reason",
     [
-        (flip_payload_bit, "checksum mismatch on layer 0 'ssm'"),
-        (flip_padding_bit, "checksum mismatch on layer 0 'conv'"),
+        (flip_payload_bit, "checksum mismatch on 'ssm' of layers [0, 2]"),
+        (flip_padding_bit, "checksum mismatch on 'conv' of layers [0, 2]"),
         (claim_more_bytes, "checksum mismatch"),
-        (claim_a_block_more, "tensor headers cover"),
-        (claim_fewer_bytes, "tensor headers cover"),
-        (control_claims_more, "tensor headers cover"),
+        (claim_a_block_more, "run headers cover"),
+        (claim_fewer_bytes, "run headers cover"),
+        (control_claims_more, "run headers cover"),
         (shape_disagrees, "!= nbytes"),
         (truncate_tensors_part, "not valid msgpack"),
         (truncate_request, "truncated"),

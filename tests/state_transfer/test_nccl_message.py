@@ -1,5 +1,6 @@
-"""The NCCL connector's coalesced buffer and block-sum checksums, in one process: layout, views,
-and that every byte on the wire and every header field is covered."""
+"""The NCCL connector's coalesced buffer and block-sum checksums, in one process: layout (runs of
+same-named tensors over the layers), views, and that every byte on the wire and every header field
+is covered."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from pd_ssm.state_transfer.wire import FrameError
 from tests.state_transfer.test_nccl_connector import assert_same, make_pages
 
 
-def test_pack_aligns_every_tensor_and_unpack_returns_views() -> None:
+def test_pack_aligns_every_run_and_unpack_returns_views() -> None:
     pages = make_pages("r", torch.bfloat16, seed=11)
     buf, metas = pack(pages, torch.device("cpu"))
+    assert [(m["name"], m["layers"]) for m in metas] == [("conv", [0, 2]), ("ssm", [0, 2]), ("k", [1]), ("v", [1])]
     assert buf.numel() % BLOCK == 0 and all(m["offset"] % BLOCK == 0 for m in metas)
     assert buf.numel() == sum(align(m["nbytes"]) for m in metas)
     got = unpack(pages.request, parse_tensors(msgpack.packb(metas), buf.numel()), buf, torch.device("cpu"))
@@ -39,11 +41,13 @@ def test_block_sums_are_exact_integers() -> None:
         block_sums(buf[:100])
 
 
-@pytest.mark.parametrize("field,value", [("layer", 1), ("name", "k"), ("dtype", "float16"), ("shape", [47, 3])])
-def test_checksum_covers_the_tensor_header(field: str, value: object) -> None:
+@pytest.mark.parametrize(
+    "field,value", [("layers", [1, 2]), ("name", "k"), ("dtype", "float16"), ("shape", [47, 3])]
+)
+def test_checksum_covers_the_run_header(field: str, value: object) -> None:
     pages = make_pages("r", torch.bfloat16, seed=12)
     buf, metas = pack(pages, torch.device("cpu"))
-    meta = metas[0]  # layer 0 "conv", bf16 [47, 3]
+    meta = metas[0]  # "conv" of layers 0 and 2, bf16 [47, 3]
     if field == "shape":
         meta["shape"], meta["dtype"] = [47, 3, 1], "bfloat16"  # same bytes, another shape
     else:
@@ -64,3 +68,32 @@ def test_control_part_is_strict() -> None:
     ):
         with pytest.raises(FrameError):
             parse_control(bad)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"layers": []},  # a run of no layer
+        {"layers": [2, 0]},  # not ascending: a layer could come twice
+        {"layers": [0, 0]},
+        {"layers": [0, 2, 3]},  # more layers than its bytes hold
+        {"layers": "02"},
+    ],
+)
+def test_run_layers_are_checked(edit: dict[str, object]) -> None:
+    pages = make_pages("r", torch.float32, seed=13)
+    buf, metas = pack(pages, torch.device("cpu"))
+    metas[0].update(edit)
+    with pytest.raises(FrameError, match="layers"):
+        parse_tensors(msgpack.packb(metas), buf.numel())
+
+
+def test_a_layer_claimed_by_two_runs_is_refused() -> None:
+    pages = make_pages("r", torch.float32, seed=14)
+    buf, metas = pack(pages, torch.device("cpu"))
+    metas[3]["name"] = "k"  # "v" of layer 1 renamed: layer 1 would get "k" twice
+    from pd_ssm.state_transfer.nccl_message import seal
+
+    seal(metas, buf)  # a consistent sender bug, not line noise: the checksums agree
+    with pytest.raises(FrameError, match="repeated"):
+        unpack(pages.request, parse_tensors(msgpack.packb(metas), buf.numel()), buf, torch.device("cpu"))
