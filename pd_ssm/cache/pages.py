@@ -79,9 +79,23 @@ def export_layer(pool: CachePool, layer_idx: int, slot: int, block_table: list[i
 
 
 def export_pages(pool: CachePool, request: RequestState, slot: int, block_table: list[int]) -> StatePages:
+    """Copy a request's pages out of the pool: ONE gather per pool tensor over all its layers (a
+    copy per layer and tensor would be 128 small kernels and their Python for Mamba2-2.7B); each
+    layer's tensors are views of those copies, in layer order (a connector can send them as runs)."""
     pages = StatePages(request)
-    for layer_idx in sorted([*pool.ssm_index, *pool.attn_index]):
-        pages.layers[layer_idx] = export_layer(pool, layer_idx, slot, block_table, request.num_computed_tokens)
+    layers: dict[int, LayerPages] = {}
+    if pool.ssm_index:
+        conv = pool.conv_state[:, slot].clone().unbind(0)
+        ssm = pool.ssm_state[:, slot].clone().unbind(0)
+        for layer_idx, i in pool.ssm_index.items():
+            layers[layer_idx] = LayerPages(layer_idx, "ssm", {"conv": conv[i], "ssm": ssm[i]})
+    if pool.attn_index:
+        flat = _token_slots(block_table, request.num_computed_tokens, pool.block_size, pool.k_cache.device)
+        k = pool.k_cache.flatten(1, 2)[:, flat].unbind(0)  # [n_attn, tokens, Hkv, D] gathered, then views
+        v = pool.v_cache.flatten(1, 2)[:, flat].unbind(0)
+        for layer_idx, i in pool.attn_index.items():
+            layers[layer_idx] = LayerPages(layer_idx, "attention", {"k": k[i], "v": v[i]})
+    pages.layers = dict(sorted(layers.items()))
     return pages
 
 
@@ -106,12 +120,25 @@ def import_layer(pool: CachePool, page: LayerPages, slot: int, block_table: list
 
 
 def import_pages(pool: CachePool, pages: StatePages, slot: int, block_table: list[int]) -> None:
+    """Write a request's pages into a reserved slot / blocks: every tensor's shape and dtype is
+    checked first, then one copy per pool tensor over all its layers (as export_pages)."""
     expected = set(pool.ssm_index) | set(pool.attn_index)
     if set(pages.layers) != expected:
         missing, extra = sorted(expected - set(pages.layers)), sorted(set(pages.layers) - expected)
         raise ValueError(f"pages of {pages.req_id!r} do not fit this model: missing layers {missing}, extra {extra}")
     for page in pages.layers.values():
-        import_layer(pool, page, slot, block_table, pages.num_tokens)
+        if page.kind != ("ssm" if page.layer_idx in pool.ssm_index else "attention"):
+            raise ValueError(f"layer {page.layer_idx}: a {page.kind!r} page, but this pool holds the other kind there")
+    if pool.ssm_index:
+        ssm_layers = sorted(pool.ssm_index, key=pool.ssm_index.__getitem__)  # pool order
+        for name, like in (("conv", pool.conv_state[0, slot]), ("ssm", pool.ssm_state[0, slot])):
+            for layer_idx in ssm_layers:
+                _check(pages.layers[layer_idx], name, like)
+        device = pool.conv_state.device
+        pool.conv_state[:, slot] = torch.stack([pages.layers[i].tensors["conv"].to(device) for i in ssm_layers])
+        pool.ssm_state[:, slot] = torch.stack([pages.layers[i].tensors["ssm"].to(device) for i in ssm_layers])
+    for layer_idx in pool.attn_index:  # a few layers in a hybrid: KV rows scatter into blocks
+        import_layer(pool, pages.layers[layer_idx], slot, block_table, pages.num_tokens)
 
 
 def _token_slots(block_table: list[int], num_tokens: int, block_size: int, device: torch.device) -> torch.Tensor:

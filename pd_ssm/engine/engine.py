@@ -263,11 +263,12 @@ class Engine:
         return results
 
     # --- moving a request between engines --------------------------------------------------
-    def stream_prefills_to(self, sink: PageSink) -> LayerExporter:
-        """Prefill role: a request whose prefill finishes ships its pages to `sink` layer by layer
-        while the step's forward runs (layer_export.py), then its state with the first token; it then
-        leaves this engine instead of joining a decode batch."""
-        self.exporter = LayerExporter(self.pool, self.cache, sink)
+    def stream_prefills_to(self, sink: PageSink, per_layer: bool = True) -> LayerExporter:
+        """Prefill role: a request whose prefill finishes ships its pages to `sink` -- layer by layer
+        while the step's forward runs (layer_export.py), or whole after it (`per_layer=False`) --
+        then its state with the first token; it then leaves this engine instead of joining a decode
+        batch."""
+        self.exporter = LayerExporter(self.pool, self.cache, sink, per_layer=per_layer)
         self.runner.layer_export = self.exporter
         return self.exporter
 

@@ -10,11 +10,17 @@ request's state (first token, sampler state): the sink's last call for the reque
 GPU ordering: the kernels are queued ahead of the device, so at hook time layer l has been
 *launched*, not run. The hook records an event on the compute stream; a side stream waits for it
 and copies the pages into pinned host staging (so the copy runs on a copy engine beside the next
-layers' compute). A snapshot goes to the sink only once its copy has completed (event query).
-To keep the host at most `lag` cache layers ahead of the device -- else nothing could be handed
-over before the sampler's final sync -- the hook waits for the oldest copy when more are
-outstanding. `finish` and `cancel` wait for every copy of the step, so by the time the engine
-frees the slot no copy still reads it and no later step can overwrite it under one.
+layers' compute). A snapshot goes to the sink only once its copy has completed (event query, at
+later hooks). The hook never waits for the device by default: an eager prefill is host-bound, so
+a host kept within a few layers of the device (`lag`) left the GPU idle between layers and made
+the streamed forward ~2-3x slower (RESULTS.md); the device keeps up with the host anyway, so
+earlier layers' copies complete while later layers are being launched. `finish` and `cancel`
+wait for every copy of the step, so by the time the engine frees the slot no copy still reads it
+and no later step can overwrite it under one.
+
+Whole-request sinks (`per_layer=False`: a connector that sends a request in one piece, e.g. the
+NCCL connector) get no hook at all -- the step may then run in a prefill CUDA graph -- and
+`finish` exports the request in one gather per pool tensor, on the device (export_pages).
 
 Decode steps never stream: the runner asks `begin` only on eager steps, and CUDA graphs are left
 alone (their captured ForwardMeta has no hook).
@@ -30,7 +36,7 @@ from typing import Protocol
 import torch
 
 from pd_ssm.cache.manager import CacheManager
-from pd_ssm.cache.pages import LayerPages, RequestState, export_layer
+from pd_ssm.cache.pages import LayerPages, RequestState, export_layer, export_pages
 from pd_ssm.cache.pool import CachePool
 from pd_ssm.engine.schedule_types import SchedulerOutput
 
@@ -65,20 +71,26 @@ class _Staged:
 
 
 class LayerExporter:
-    def __init__(self, pool: CachePool, cache: CacheManager, sink: PageSink, lag: int = 2) -> None:
-        if lag < 1:
-            raise ValueError(f"LayerExporter lag must be >= 1 cache layers, got {lag}")
+    def __init__(
+        self, pool: CachePool, cache: CacheManager, sink: PageSink, per_layer: bool = True, lag: int | None = None
+    ) -> None:
+        if lag is not None and lag < 1:
+            raise ValueError(f"LayerExporter lag must be >= 1 cache layers (or None: never wait), got {lag}")
         self.pool = pool
         self.cache = cache
         self.sink = sink
-        self.lag = lag
+        self.per_layer = per_layer
+        self.lag = lag  # None: the forward never waits for a copy (see the module docstring)
         self.cache_layers = frozenset(pool.ssm_index) | frozenset(pool.attn_index)
         self.side = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
         self._targets: list[_Target] = []
         self._staged: deque[_Staged] = deque()
 
     def begin(self, sched: SchedulerOutput) -> Callable[[int], None] | None:
-        """The hook for this step's forward, or None if no request finishes its prefill in it."""
+        """The hook for this step's forward, or None if no request finishes its prefill in it (or
+        the sink takes whole requests)."""
+        if not self.per_layer:
+            return None
         self._targets = [
             _Target(req.req_id, self.cache.slot(req.req_id), list(self.cache.block_table(req.req_id)) if
                     self.cache.uses_kv else [], req.num_computed_tokens + n)
@@ -110,6 +122,13 @@ class LayerExporter:
 
     def finish(self, request: RequestState) -> None:
         """The request's first token is sampled: its remaining layers, then its state, to the sink."""
+        if not self.per_layer:
+            req_id = request.req_id
+            table = list(self.cache.block_table(req_id)) if self.cache.uses_kv else []
+            pages = export_pages(self.pool, request, self.cache.slot(req_id), table)
+            self.sink.send_layers(req_id, list(pages.layers.values()))
+            self.sink.finish(request)
+            return
         self._hand_over(wait_beyond=0)
         self._targets = [t for t in self._targets if t.req_id != request.req_id]
         self.sink.finish(request)
@@ -120,12 +139,12 @@ class LayerExporter:
         self._targets = [t for t in self._targets if t.req_id != req_id]
         self.sink.cancel(req_id)
 
-    def _hand_over(self, wait_beyond: int, skip: str | None = None) -> None:
+    def _hand_over(self, wait_beyond: int | None, skip: str | None = None) -> None:
         """Give the sink every completed snapshot, in order; wait for the oldest ones while more
-        than `wait_beyond` are outstanding."""
+        than `wait_beyond` are outstanding (None: never wait)."""
         while self._staged:
             head = self._staged[0]
-            if len(self._staged) > wait_beyond:
+            if wait_beyond is not None and len(self._staged) > wait_beyond:
                 head.done.synchronize()
             elif not head.done.query():
                 return

@@ -45,7 +45,9 @@ class PrefillRole:
         self.sink = ConnectorSink(connector)
         self.live: set[str] = set()
         self._send: Callable[[Any], None] = _unstarted
-        engine.stream_prefills_to(self)
+        # NOTE: a connector that sends whole requests (NCCL) gets them after the forward, which then
+        # needs no per-layer hook and may run in a prefill CUDA graph
+        engine.stream_prefills_to(self, per_layer=self.sink.streams)
 
     def start(self, send: Callable[[Any], None]) -> None:
         self._send = send

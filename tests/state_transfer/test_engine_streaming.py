@@ -100,6 +100,33 @@ def test_streamed_pages_equal_a_whole_export(name: str, device: str, hf_checkpoi
         assert [k for k, _ in mine][-1] == "finish" and [k for k, _ in mine].count("finish") == 1
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_whole_request_sink_gets_one_export_after_the_forward(device: str, hf_checkpoint: Any) -> None:
+    """per_layer=False (the NCCL connector): no hook in the forward, then every layer in one call
+    (device tensors: the connector sends from the GPU), equal to a plain export."""
+    path, _ = hf_checkpoint("bamba-attn-first")
+    params = params_for("greedy")
+    prompts = dict(zip(["a", "b"], random_prompts(VOCAB, [29, 6], seed=4), strict=True))
+    whole = prefill(engine_on(path, device), prompts, params)
+    src, sink = engine_on(path, device), RecordingSink()
+    exporter = src.stream_prefills_to(sink, per_layer=False)
+    hooks: list[object] = []
+    original = exporter.begin
+    exporter.begin = lambda sched: hooks.append(original(sched)) or hooks[-1]  # type: ignore[method-assign]
+    prefill_streaming(src, prompts, params)
+    assert_clean(src)
+    assert hooks and all(h is None for h in hooks)
+    for rid in prompts:
+        mine = [(kind, payload) for kind, r, payload in sink.calls if r == rid]
+        assert [k for k, _ in mine] == ["layers", "finish"]
+        layers = mine[0][1]
+        assert [p.layer_idx for p in layers] == sorted(exporter.cache_layers)
+        for page in layers:
+            for tname, t in page.tensors.items():
+                assert t.device.type == device
+                assert torch.equal(t.view(torch.uint8), whole[rid].layers[page.layer_idx].tensors[tname].view(torch.uint8))
+
+
 def test_layers_leave_during_the_forward(hf_checkpoint: Any) -> None:
     """Each layer reaches the sink before the next decoder layer runs, not after the step."""
     path, _ = hf_checkpoint("nemotron-h")
