@@ -11,6 +11,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import torch
 from pd_ssm.cache.pages import LayerPages, RequestState, StatePages
 from pd_ssm.state_transfer.base import Ticket
 from pd_ssm.state_transfer.nccl_connector import NcclConfig, NcclConnector
+from pd_ssm.state_transfer.nccl_receiver import NcclReceiver
 from pd_ssm.state_transfer.reservations import ReservationTable
 
 TOKEN = "cluster-secret"
@@ -71,9 +73,10 @@ def run_sender(rendezvous: str, script: Script, timeout: float = 15.0) -> None:
     tx.close()  # idempotent
 
 
-def receiver(table: ReservationTable, timeout: float = 15.0) -> NcclConnector:
+def receiver(table: ReservationTable, timeout: float = 15.0, recv_window: int = 1 << 30) -> NcclConnector:
     return NcclConnector(
-        NcclConfig(TOKEN, "tcp://127.0.0.1:0", timeout=timeout), bind="tcp://127.0.0.1:0", reservations=table
+        NcclConfig(TOKEN, "tcp://127.0.0.1:0", timeout=timeout, recv_window=recv_window),
+        bind="tcp://127.0.0.1:0", reservations=table,
     )
 
 
@@ -93,9 +96,9 @@ def spawned(target: Callable[..., None], *args: object) -> Iterator[mp.process.B
 
 
 @contextmanager
-def pair(table: ReservationTable, script: Script) -> Iterator[NcclConnector]:
+def pair(table: ReservationTable, script: Script, recv_window: int = 1 << 30) -> Iterator[NcclConnector]:
     """Become the receiver, spawn a sender running `script`; on exit close and check the sender."""
-    with receiver(table) as rx, spawned(run_sender, rx.rendezvous, script):
+    with receiver(table, recv_window=recv_window) as rx, spawned(run_sender, rx.rendezvous, script):
         assert isinstance(rx, NcclConnector)
         yield rx
 
@@ -163,15 +166,31 @@ def _send_many(tx: NcclConnector) -> None:
     assert tx.get_finished()[0] == {f"m{i}" for i in range(IN_FLIGHT)} and tx.get_failed() == {}
 
 
-def test_64_requests_in_flight_arrive_exact_and_nothing_leaks() -> None:
+@pytest.mark.parametrize("window", ["default", "one request"])
+def test_64_requests_in_flight_arrive_exact_and_nothing_leaks(window: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receiver posts the next requests' recvs while it checks one (up to recv_window bytes;
+    always at least one): exact either way."""
+    posted: list[int] = []  # bytes posted each time the receiver starts on the next message
+    finish = NcclReceiver._finish
+
+    def spy(self: NcclReceiver, item: Any) -> Any:
+        posted.append(self._posted_bytes())
+        return finish(self, item)
+
+    monkeypatch.setattr(NcclReceiver, "_finish", spy)
+    one = make_pages("x", torch.float32, 0).nbytes()
     table = ReservationTable(ttl=60.0, token=TOKEN)
     free_slots = list(range(IN_FLIGHT))  # the decode pool's bookkeeping: free + used == total
     used: dict[str, int] = {}
     for i in range(IN_FLIGHT):
         used[f"m{i}"] = slot = free_slots.pop()
         table.reserve(f"m{i}", "unused", slot)
-    with pair(table, _send_many) as rx:
+    with pair(table, _send_many, recv_window=1 << 30 if window == "default" else 1) as rx:
         got, failed = collect(rx, IN_FLIGHT)
+        if window == "default":
+            assert max(posted) > 4 * one  # several requests on the link at once
+        else:
+            assert 0 < max(posted) <= 2 * one  # one request (and its block padding) at a time
         assert failed == {} and len(got) == IN_FLIGHT
         for i in range(IN_FLIGHT):
             assert_same(make_pages(f"m{i}", torch.bfloat16 if i % 2 else torch.float32, i), got[f"m{i}"])
