@@ -22,16 +22,13 @@ from __future__ import annotations
 
 import zlib
 
-import numpy as np
 import torch
 
-BLOCK = 4096  # bytes; also the alignment of every tensor in the coalesced buffer
+# NOTE: BLOCK is also the alignment of every tensor in the coalesced buffer; the CPU sums are
+# checksum.py's, shared with the ZMQ wire, so the two connectors cannot drift apart
+from pd_ssm.state_transfer.checksum import BLOCK, align, host_block_sums, sums_bytes
+
 _WORDS = BLOCK // 4
-
-
-def align(n: int) -> int:
-    """`n` rounded up to a multiple of BLOCK."""
-    return -(-n // BLOCK) * BLOCK
 
 
 def block_sums(buf: torch.Tensor) -> bytes:
@@ -45,13 +42,12 @@ def block_sums(buf: torch.Tensor) -> bytes:
         )
     if buf.numel() == 0:
         return b""
-    words = buf.view(torch.int32).view(-1, _WORDS)  # [blocks, 1024]
     if buf.device.type == "cpu":
         # numpy's integer reduction is ~10x faster than torch's on CPU; the sums are the same integers
-        sums = np.add.reduce(words.numpy(), axis=1, dtype=np.int64)  # [blocks]; exact: |sum| < 2**41
-    else:
-        sums = words.sum(dim=1, dtype=torch.int64).cpu().numpy()  # one kernel, 8 B per block to the host
-    return sums.astype("<i8").tobytes()
+        return sums_bytes(host_block_sums(buf.numpy()))
+    words = buf.view(torch.int32).view(-1, _WORDS)  # [blocks, 1024]
+    sums = words.sum(dim=1, dtype=torch.int64).cpu().numpy()  # one kernel, 8 B per block to the host
+    return sums_bytes(sums)
 
 
 def tensor_checksum(sums: bytes, offset: int, nbytes: int, header: bytes) -> int:

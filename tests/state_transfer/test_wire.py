@@ -203,6 +203,38 @@ def test_bad_checksum_payload_bit_flip() -> None:
         decode_frame(header, bytes(bad))
 
 
+def _flip_bits(payload: Any, header: bytes, positions: list[int]) -> None:
+    """Every single-bit flip at `positions` (bit indices into the payload) fails the checksum."""
+    raw = bytes(payload)
+    for bit in positions:
+        bad = bytearray(raw)
+        bad[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(FrameError, match="checksum mismatch"):
+            decode_frame(header, bytes(bad))
+
+
+def test_checksum_catches_any_single_bit_flip() -> None:
+    # 2 whole 4 KiB blocks and a tail of 7 bytes: the last block (and word) is zero-padded
+    t = rand((2 * 4096 + 7,), torch.uint8, torch.Generator().manual_seed(3))
+    header, payload = encode_page("r", 0, "attention", "k", t)
+    nbits = len(bytes(payload)) * 8
+    tail = list(range((2 * 4096) * 8, nbits))  # every bit of the partial block, incl. the padded word
+    word = list(range(4096 * 8, 4096 * 8 + 32))  # one whole int32 word, its sign bit too
+    edges = [b for blk in (0, 1) for b in (blk * 4096 * 8, (blk + 1) * 4096 * 8 - 1)]
+    sample = torch.randint(0, nbits, (256,), generator=torch.Generator().manual_seed(4)).tolist()
+    _flip_bits(payload, header, tail + word + edges + sample)
+
+
+def test_checksum_catches_swapped_blocks() -> None:
+    t = rand((3, 1024), torch.float32, torch.Generator().manual_seed(5))  # 3 blocks of 4 KiB
+    header, payload = encode_page("r", 0, "ssm", "ssm", t)
+    raw = bytes(payload)
+    swapped = raw[2 * 4096 :] + raw[4096 : 2 * 4096] + raw[:4096]
+    assert swapped != raw
+    with pytest.raises(FrameError, match="checksum mismatch"):
+        decode_frame(header, swapped)
+
+
 def test_checksum_covers_header_identity() -> None:
     header, payload = page_parts()
     h = header_of([header])
@@ -228,7 +260,8 @@ def test_bad_length_and_truncation() -> None:
     [
         ("magic", b"XXXX", "bad magic"),
         ("magic", "PDSM", "bad magic"),
-        ("version", 2, "unsupported frame version"),
+        ("version", 1, "unsupported frame version"),  # a peer of the crc32-only wire
+        ("version", 3, "unsupported frame version"),
         ("version", True, "unsupported frame version"),
         ("kind", "pages", "unknown frame kind"),
         ("dtype", "float64", "not allowed"),

@@ -1,0 +1,81 @@
+"""checksum.py: exact per-4-KiB int64 block sums and per-offset lane sums, the tail zero-padded;
+the NCCL connector's CPU path gives the same block sums."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from pd_ssm.state_transfer import nccl_checksum
+from pd_ssm.state_transfer.checksum import BLOCK, align, host_block_sums, payload_checksum, sums_bytes
+
+
+def ref_sums(raw: bytes) -> list[int]:
+    """Pure-Python reference: pad to a whole block, sum each block's signed little-endian int32 words."""
+    padded = raw + b"\0" * (align(len(raw)) - len(raw))
+    words = [int.from_bytes(padded[i : i + 4], "little", signed=True) for i in range(0, len(padded), 4)]
+    per = BLOCK // 4
+    return [sum(words[i : i + per]) for i in range(0, len(words), per)]
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 4095, 4096, 4097, 3 * 4096 + 6])
+def test_sums_match_the_reference(n: int) -> None:
+    raw = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
+    assert host_block_sums(raw).tolist() == ref_sums(raw)
+
+
+def test_extreme_words_are_exact() -> None:
+    # 1024 words of INT32_MIN / INT32_MAX: the int64 accumulator must not wrap
+    lo = np.full(1024, np.iinfo(np.int32).min, dtype=np.int32).tobytes()
+    hi = np.full(1024, np.iinfo(np.int32).max, dtype=np.int32).tobytes()
+    assert host_block_sums(lo + hi).tolist() == [1024 * -(2**31), 1024 * (2**31 - 1)]
+
+
+def test_every_buffer_kind_gives_the_same_sums() -> None:
+    t = torch.randn(3, 1500)  # 18000 B: a partial last block
+    raw = t.numpy().tobytes()
+    want = host_block_sums(raw).tolist()
+    assert host_block_sums(memoryview(t.numpy())).tolist() == want  # a float-format memoryview
+    assert host_block_sums(t.numpy()).tolist() == want
+    assert host_block_sums(bytearray(raw)).tolist() == want
+    assert host_block_sums(memoryview(raw)[:]).tolist() == want
+
+
+def ref_lanes(raw: bytes) -> list[int]:
+    """Per 8-byte offset within a block: the sum mod 2**64 of the little-endian uint64 words there."""
+    padded = raw + b"\0" * (align(len(raw)) - len(raw))
+    lanes = [0] * (BLOCK // 8)
+    for i in range(0, len(padded), 8):
+        lane = (i % BLOCK) // 8
+        lanes[lane] = (lanes[lane] + int.from_bytes(padded[i : i + 8], "little")) % 2**64
+    return lanes
+
+
+def test_payload_checksum_is_crc32_of_description_block_sums_then_lane_sums() -> None:
+    raw = np.random.default_rng(7).integers(0, 256, 2 * BLOCK + 13, dtype=np.uint8).tobytes()
+    want = zlib.crc32(sums_bytes(np.array(ref_sums(raw), dtype=np.int64)), zlib.crc32(b"desc"))
+    want = zlib.crc32(np.array(ref_lanes(raw), dtype="<u8").tobytes(), want)
+    assert payload_checksum(b"desc", raw) == want
+    assert payload_checksum(b"desd", raw) != want
+
+
+def test_lane_sums_catch_flips_that_cancel_in_a_block_sum() -> None:
+    words = np.zeros(2 * 1024, dtype=np.int32)
+    words[5] = 1  # word 5 loses bit 0, word 9 gains it: the block's sum is unchanged
+    bad = words.copy()
+    bad[5], bad[9] = 0, 1
+    assert host_block_sums(words.tobytes()).tolist() == host_block_sums(bad.tobytes()).tolist()
+    assert payload_checksum(b"", words.tobytes()) != payload_checksum(b"", bad.tobytes())
+    # the same bit in both halves of one 8-byte lane word, opposite directions: caught too
+    bad = words.copy()
+    bad[4], bad[5] = 1, 0
+    assert payload_checksum(b"", words.tobytes()) != payload_checksum(b"", bad.tobytes())
+
+
+def test_nccl_cpu_path_uses_the_same_sums() -> None:
+    buf = torch.randint(0, 256, (5 * BLOCK,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    assert nccl_checksum.block_sums(buf) == sums_bytes(host_block_sums(buf.numpy()))
+    assert nccl_checksum.BLOCK == BLOCK
