@@ -28,26 +28,61 @@ import torch
 # checksum.py's, shared with the ZMQ wire, so the two connectors cannot drift apart
 from pd_ssm.state_transfer.checksum import BLOCK, align, host_block_sums, sums_bytes
 
-_WORDS = BLOCK // 4
+
+def _check(buf: torch.Tensor) -> None:
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() % BLOCK:
+        raise ValueError(
+            f"block_sums needs a 1-D uint8 buffer whose length is a multiple of {BLOCK}, "
+            f"got {buf.dtype} {tuple(buf.shape)}"
+        )
 
 
 def block_sums(buf: torch.Tensor) -> bytes:
     """Per-block sums of `buf`'s int32 words, as little-endian int64 bytes on the host.
 
     buf: uint8 [n], n a multiple of BLOCK, on any device (one reduction kernel, one small copy)."""
-    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() % BLOCK:
-        raise ValueError(
-            f"block_sums needs a 1-D uint8 buffer whose length is a multiple of {BLOCK}, "
-            f"got {buf.dtype} {tuple(buf.shape)}"
-        )
+    _check(buf)
     if buf.numel() == 0:
         return b""
     if buf.device.type == "cpu":
         # numpy's integer reduction is ~10x faster than torch's on CPU; the sums are the same integers
         return sums_bytes(host_block_sums(buf.numpy()))
-    words = buf.view(torch.int32).view(-1, _WORDS)  # [blocks, 1024]
-    sums = words.sum(dim=1, dtype=torch.int64).cpu().numpy()  # one kernel, 8 B per block to the host
-    return sums_bytes(sums)
+    from pd_ssm.state_transfer.block_sums_triton import block_sums_triton
+
+    return sums_bytes(block_sums_triton(buf).cpu().numpy())  # one kernel, 8 B per block to the host
+
+
+class PendingSums:
+    """Block sums on their way to the host: queued on the device's current stream behind whatever
+    wrote the buffer, copied into pinned memory without blocking the host (a sender must not stall
+    on its own pack kernel while the link could take the previous request)."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self._bytes: bytes | None = None
+        self._host: torch.Tensor | None = None
+        self._done: torch.cuda.Event | None = None
+        if buf.device.type == "cpu" or buf.numel() == 0:
+            self._bytes = block_sums(buf)
+            return
+        from pd_ssm.state_transfer.block_sums_triton import block_sums_triton
+
+        _check(buf)
+        sums = block_sums_triton(buf)
+        self._host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+        self._host.copy_(sums, non_blocking=True)
+        self._done = torch.cuda.current_stream(buf.device).record_event()
+
+    def ready(self) -> bool:
+        return self._bytes is not None or (self._done is not None and self._done.query())
+
+    def wait(self) -> bytes:
+        """The sums as block_sums returns them (blocks until the device produced them)."""
+        if self._bytes is None:
+            assert self._done is not None and self._host is not None
+            self._done.synchronize()
+            self._bytes = sums_bytes(self._host.numpy())
+            self._host = self._done = None
+        return self._bytes
 
 
 def tensor_checksum(sums: bytes, offset: int, nbytes: int, header: bytes) -> int:

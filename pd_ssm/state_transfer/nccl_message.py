@@ -86,7 +86,15 @@ def _runs(pages: StatePages) -> list[tuple[tuple[str, str, torch.dtype, tuple[in
 
 
 def pack(pages: StatePages, device: torch.device) -> tuple[torch.Tensor, list[dict[str, Any]]]:
-    """All tensors in one uint8 buffer on `device`, and the metadata of each run.
+    """`layout`, then `seal` (waits for the device): the buffer and its sealed run headers."""
+    buf, metas = layout(pages, device)
+    seal(metas, buf)
+    return buf, metas
+
+
+def layout(pages: StatePages, device: torch.device) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+    """All tensors in one uint8 buffer on `device` (queued on the current stream, not waited for),
+    and the header of each run, its checksum still 0 (`seal` / `seal_sums` fill it in).
 
     Tensors of the same name and shape over the layers form a run, stacked by ONE kernel straight
     into its place in the buffer: per-tensor work in Python (128 tensors for Mamba2-2.7B) would
@@ -112,13 +120,16 @@ def pack(pages: StatePages, device: torch.device) -> tuple[torch.Tensor, list[di
                 tensors = [t.to(buf.device) for t in tensors]
             torch.stack([t.detach() for t in tensors], out=out)
         buf[start + n : align(start + n)].zero_()  # the gap is summed: both sides must see zeros
-    seal(metas, buf)
     return buf, metas
 
 
 def seal(metas: list[dict[str, Any]], buf: torch.Tensor) -> None:
     """Fill in each run header's checksum (over the header itself and its bytes in `buf`)."""
-    sums = block_sums(buf)
+    seal_sums(metas, block_sums(buf))
+
+
+def seal_sums(metas: list[dict[str, Any]], sums: bytes) -> None:
+    """`seal` from the buffer's block sums (nccl_checksum.block_sums bytes), computed earlier."""
     for m in metas:
         m["checksum"] = tensor_checksum(sums, m["offset"], m["nbytes"], _describe(
             m["layers"], m["page_kind"], m["name"], m["dtype"], m["shape"], m["offset"], m["nbytes"]

@@ -3,11 +3,21 @@
 See nccl_connector.py for the protocol. A sender is paired with exactly one receiver at a time;
 after its peer is lost it fails what was in flight, holds no buffer, and re-pairs on the next
 `send` (or an explicit `pair`).
+
+`send` never waits for the device: it queues the pack kernels and the block sums, posts the p2p
+send at once (NCCL orders it after the pack on the stream; the receiver's recv may come later) and
+leaves the request "sealing". Its metadata -- which needs the sums on the host for the checksums
+-- goes out once they are there, in posting order (every `send`, `reap` and `flush` pushes out
+what is ready), so the host packs the next request while the device packs and the link carries
+the previous ones. The side channel and the p2p stream carry requests in the same order; a
+metadata message the receiver does not take within `send_timeout` therefore breaks the stream:
+the pairing is dropped, failing what was in flight.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +29,7 @@ import zmq
 from pd_ssm.cache.pages import StatePages
 from pd_ssm.state_transfer.base import Ticket, TransferStats
 from pd_ssm.state_transfer.ledger import TransferLedger
+from pd_ssm.state_transfer.nccl_checksum import PendingSums
 from pd_ssm.state_transfer.nccl_config import NcclConfig
 from pd_ssm.state_transfer.nccl_group import (
     ADDRESS_KEY,
@@ -29,7 +40,7 @@ from pd_ssm.state_transfer.nccl_group import (
     join_store,
     split_tcp,
 )
-from pd_ssm.state_transfer.nccl_message import Control, pack
+from pd_ssm.state_transfer.nccl_message import Control, layout, seal_sums
 from pd_ssm.state_transfer.wire import encode_request
 
 _PROBE_TIMEOUT = 1.0  # seconds a liveness probe of the rendezvous store may take
@@ -41,6 +52,16 @@ class _Outgoing:
     work: Any  # torch.distributed Work of the p2p send
     buf: torch.Tensor  # kept alive until the send completed
     start: float  # time.monotonic()
+
+
+@dataclass(slots=True)
+class _Sealing:
+    """A request whose p2p send is posted and whose metadata waits for its block sums."""
+
+    req_id: str
+    parts: list[bytes | memoryview]  # [token, control, request header, request payload]; the runs part last
+    metas: list[dict[str, Any]]
+    sums: PendingSums
 
 
 class NcclSender:
@@ -56,6 +77,7 @@ class NcclSender:
         self._group: PeerGroup | None = None
         self._probe: dist.TCPStore | None = None  # the receiver's store, with a short timeout
         self._pending: list[_Outgoing] = []  # FIFO: p2p sends complete in posting order
+        self._sealing: deque[_Sealing] = deque()  # posted, metadata not sent yet; FIFO
 
     @property
     def paired(self) -> bool:
@@ -101,12 +123,45 @@ class NcclSender:
                 f"the receiver at {self.address}: one NcclConnector per receiver"
             )
         start = time.monotonic()
-        buf, metas = pack(pages, self.device)
+        buf, metas = layout(pages, self.device)
+        sums = PendingSums(buf)
         req_header, req_payload = encode_request(pages.request)
         assert self._group is not None
         control = Control("data", self._group.gen, pages.req_id, buf.numel()).encode()
-        tensors = msgpack.packb(metas, use_bin_type=True)
-        self.post(pages.req_id, [self._token, control, req_header, req_payload, tensors], buf, start)
+        if buf.numel() and not self._isend(pages.req_id, buf, start):
+            return
+        self._sealing.append(_Sealing(pages.req_id, [self._token, control, req_header, req_payload], metas, sums))
+        self._seal(wait=False)
+        if buf.numel() == 0:
+            self.ledger.sent(TransferStats(pages.req_id, 0, time.monotonic() - start))
+
+    def _seal(self, wait: bool) -> None:
+        """Send the metadata of every sealing request whose sums are on the host, in order (all of
+        them with `wait`). A refused one breaks the stream (its bytes are posted): peer lost."""
+        while self._sealing and self._push is not None:
+            head = self._sealing[0]
+            if not wait and not head.sums.ready():
+                return
+            seal_sums(head.metas, head.sums.wait())
+            self._sealing.popleft()
+            try:
+                self._push.send_multipart([*head.parts, msgpack.packb(head.metas, use_bin_type=True)])
+            except zmq.Again:
+                why = f"peer {self.address} did not take the metadata within {self.config.send_timeout} s"
+                self.ledger.fail(head.req_id, why)
+                self.lose_peer(why)
+                return
+
+    def _isend(self, req_id: str, buf: torch.Tensor, start: float) -> bool:
+        assert self._group is not None
+        try:
+            work = self._group.isend(buf)
+        except RuntimeError as e:  # gloo refuses at once on a pair whose peer is gone
+            self.ledger.fail(req_id, f"peer lost: {e}")
+            self.lose_peer(f"peer lost: {e}")
+            return False
+        self._pending.append(_Outgoing(req_id, work, buf, start))
+        return True
 
     def post(self, req_id: str, parts: list[bytes | memoryview], buf: torch.Tensor, start: float) -> None:
         """Metadata parts out, then the p2p send of `buf` (none for an empty request). Public so
@@ -134,6 +189,9 @@ class NcclSender:
         Best effort (never blocks): a send already posted has its bytes on the stream regardless."""
         if self._push is None or self._group is None:
             return
+        self._seal(wait=True)  # its metadata first, if it is still sealing: the side channel keeps order
+        if self._push is None or self._group is None:
+            return
         try:
             self._push.send_multipart([self._token, Control("abort", self._group.gen, req_id, 0).encode()], zmq.NOBLOCK)
         except zmq.Again:
@@ -141,6 +199,7 @@ class NcclSender:
 
     def flush(self, timeout: float) -> bool:
         end = time.monotonic() + timeout
+        self._seal(wait=True)  # the receiver posts a recv only once it has the metadata
         # NOTE: probe first: a gloo send whose receiver died before posting its recv is never
         # failed by gloo, and a gloo wait cannot be sliced (a timed-out wait ends the Work)
         self._check_dropped()
@@ -157,6 +216,7 @@ class NcclSender:
     def reap(self) -> None:
         """Report completed sends without blocking where the backend can tell (NCCL); a send older
         than `timeout` means the peer is gone. Also notices a pairing the receiver dropped."""
+        self._seal(wait=False)
         self._check_dropped()
         while self._pending and self._group is not None:
             out = self._pending[0]
@@ -194,6 +254,7 @@ class NcclSender:
             if not self.ledger.is_aborted(out.req_id):
                 self.ledger.fail(out.req_id, reason)
         self._pending.clear()
+        self._sealing.clear()  # each had its p2p send in _pending: failed above
         if self._group is not None:
             self._group.close()
             self._group = None

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call on nvidia-h200-x2 for the state-transfer work (carry third_party: the wheels):
+#   GPU tests of the transfer path, the NCCL connector check (64 x 168 MB in flight, bit-exact),
+#   `pd-ssm bench transfer` (NCCL between cuda:0 and cuda:1, layer-wise streaming of a 2.7B-shaped
+#   prefill over ZMQ, ZMQ against a raw socket), and `pd-ssm serve --disagg` on both GPUs over NCCL
+#   (benchmarks/disagg_gpu.sh: every answer equal to a colocated engine's).
+# Results: $OUT/results.tgz (every log and JSON); a summary on stdout.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+OUT=${OUT:-/tmp/out}; R=/tmp/res; mkdir -p "$OUT" "$R"
+python3 -m pip install -q --no-index --find-links third_party/wheels pyzmq fastapi uvicorn openai prometheus_client \
+  2>&1 | tail -2
+nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv > "$R/gpu.txt"
+
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/state_transfer/test_engine_streaming.py \
+  tests/state_transfer/test_nccl_gpu_check.py tests/cache/test_pages.py tests/engine/test_prefill_graphs.py \
+  > "$R/tests.txt" 2>&1; echo "tests rc $?" >> "$R/tests.txt"
+OUT=$R timeout 150 python3 benchmarks/nccl_gpu_check.py > "$R/nccl.txt" 2>&1; echo "nccl rc $?" >> "$R/nccl.txt"
+timeout 200 python3 -m pd_ssm.cli bench transfer --device cuda --connectors nccl,stream --repeats 5 \
+  --json "$R/transfer_nccl.json" > "$R/transfer_nccl.txt" 2>&1; echo "transfer rc $?" >> "$R/transfer_nccl.txt"
+timeout 150 python3 -m pd_ssm.cli bench transfer --connectors zmq --repeats 5 \
+  --json "$R/transfer_zmq.json" > "$R/transfer_zmq.txt" 2>&1; echo "zmq rc $?" >> "$R/transfer_zmq.txt"
+OUT=$R/disagg timeout 300 bash benchmarks/disagg_gpu.sh > "$R/disagg.txt" 2>&1; echo "disagg rc $?" >> "$R/disagg.txt"
+
+tar czf "$OUT/results.tgz" -C "$R" .
+for f in tests nccl transfer_nccl transfer_zmq disagg; do echo "== $f"; tail -22 "$R/$f.txt"; done

@@ -1,0 +1,33 @@
+"""The GPU block-sum kernel of the NCCL connector against the host sums (checksum.py): the same
+exact integers, on CPU through Triton's interpreter and on CUDA at a request's size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pd_ssm.state_transfer.block_sums_triton import block_sums_triton
+from pd_ssm.state_transfer.checksum import BLOCK, host_block_sums
+from pd_ssm.state_transfer.nccl_checksum import block_sums
+from tests.conftest import needs_cuda
+
+
+@pytest.mark.parametrize(
+    "device,blocks", [("cpu", 5), pytest.param("cuda", 3, marks=needs_cuda), pytest.param("cuda", 41_000, marks=needs_cuda)]
+)
+def test_kernel_sums_equal_the_host_sums(device: str, blocks: int) -> None:
+    g = torch.Generator().manual_seed(blocks)
+    buf = torch.randint(0, 256, (blocks * BLOCK,), dtype=torch.uint8, generator=g)
+    buf[:BLOCK] = 0xFF  # a block of -1 words: negative sums must come out exact too
+    buf[BLOCK : 2 * BLOCK] = torch.tensor([0x00, 0x00, 0x00, 0x80], dtype=torch.uint8).repeat(BLOCK // 4)  # -2**31
+    want = host_block_sums(buf.numpy())
+    got = block_sums_triton(buf.to(device)).cpu().numpy()
+    assert got.tolist() == want.tolist()
+    assert want[0] == -1024 and want[1] == -1024 * 2**31
+
+
+@needs_cuda
+def test_block_sums_agree_across_devices() -> None:
+    g = torch.Generator().manual_seed(9)
+    buf = torch.randint(0, 256, (64 * BLOCK,), dtype=torch.uint8, generator=g)
+    assert block_sums(buf) == block_sums(buf.cuda())
