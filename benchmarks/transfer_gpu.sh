@@ -13,7 +13,8 @@ python3 -m pip install -q --no-index --find-links third_party/wheels pyzmq fasta
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv > "$R/gpu.txt"
 
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/state_transfer/test_engine_streaming.py \
-  tests/state_transfer/test_nccl_gpu_check.py tests/cache/test_pages.py tests/engine/test_prefill_graphs.py \
+  tests/state_transfer/test_nccl_gpu_check.py tests/state_transfer/test_block_sums_triton.py tests/cache/test_pages.py \
+  tests/engine/test_prefill_graphs.py \
   > "$R/tests.txt" 2>&1; echo "tests rc $?" >> "$R/tests.txt"
 OUT=$R timeout 150 python3 benchmarks/nccl_gpu_check.py > "$R/nccl.txt" 2>&1; echo "nccl rc $?" >> "$R/nccl.txt"
 timeout 200 python3 -m pd_ssm.cli bench transfer --device cuda --connectors nccl,stream --repeats 5 \

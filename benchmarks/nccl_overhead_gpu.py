@@ -1,0 +1,145 @@
+"""Where the NCCL connector's per-request time goes, cuda:0 -> cuda:1, one 168 MB request at a time:
+
+  raw_default   dist.send / dist.recv on the default group, one reused buffer (bench's baseline)
+  raw_peer      isend / irecv on a PeerGroup (the connector's private group), reused buffers
+  raw_peer_new  the same with a fresh buffer each time on both sides (what the connector allocates)
+  connector     NcclConnector.send + flush / recv (pack, checksums, metadata over ZMQ)
+  phases        the connector's receive split: control read -> recv posted -> bytes in -> checked
+
+    python benchmarks/nccl_overhead_gpu.py      # prints medians (ms), writes $OUT/nccl_overhead.json
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+N = 169_836_544
+REPS = 12
+TOKEN = "overhead"
+
+
+def _timed(fn: Any, dev: torch.device) -> list[float]:
+    out = []
+    for _ in range(REPS + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(dev)
+        out.append(time.perf_counter() - t0)
+    return out[2:]
+
+
+def run(rank: int, port: int, q: Any, rq: Any) -> None:
+    from pd_ssm.bench.transfer import PageShape, make_pages
+    from pd_ssm.state_transfer.base import Ticket
+    from pd_ssm.state_transfer.nccl_connector import NcclConfig, NcclConnector
+    from pd_ssm.state_transfer.nccl_group import PeerGroup
+    from pd_ssm.state_transfer.reservations import ReservationTable
+
+    dev = torch.device(f"cuda:{rank}")
+    torch.cuda.set_device(dev)
+    res: dict[str, list[float]] = {}
+    if rank == 1:
+        table = ReservationTable(ttl=600, token=TOKEN)
+        conn = NcclConnector(NcclConfig(TOKEN, "tcp://127.0.0.1:0", device=str(dev), timeout=60), bind="tcp://127.0.0.1:0",
+                             reservations=table)
+        q.put(conn.rendezvous)
+        while not conn.paired:
+            conn.recv(timeout=0.05)
+    else:
+        conn = NcclConnector(NcclConfig(TOKEN, q.get(), device=str(dev), timeout=60, send_timeout=60))
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    buf = torch.randint(0, 255, (N,), dtype=torch.uint8, device=dev)
+    res["raw_default"] = _timed(lambda: dist.send(buf, 1) if rank == 0 else dist.recv(buf, 0), dev)
+    grp: PeerGroup = (conn._tx or conn._rx)._group  # type: ignore[union-attr]
+
+    def peer(fresh: bool) -> None:
+        b = torch.empty(N, dtype=torch.uint8, device=dev) if fresh else buf
+        w = grp.isend(b) if rank == 0 else grp.irecv(b)
+        assert grp.wait(w, 60) is None
+
+    res["raw_peer"] = _timed(lambda: peer(False), dev)
+    res["raw_peer_new"] = _timed(lambda: peer(True), dev)
+    pages = make_pages("o", "mamba2", torch.float32, PageShape())
+    if rank == 0:
+        for layer in pages.layers.values():
+            layer.tensors = {k: t.to(dev) for k, t in layer.tensors.items()}
+    n = [0]
+
+    def connector() -> None:
+        rid = f"c{n[0]}"
+        n[0] += 1
+        if rank == 0:
+            from pd_ssm.bench.transfer import renamed
+
+            assert conn.address is not None
+            conn.send(renamed(pages, rid), Ticket(rid, conn.address, 0, [], time.monotonic() + 600, TOKEN))
+            assert conn.flush(60)
+        else:
+            assert conn.recv(timeout=60) is not None
+
+    if rank == 1:  # reservations for every connector run, made before the barriers
+        for i in range(REPS + 2):
+            table.reserve(f"c{i}", conn.address or "", slot=0)
+    res["connector"] = _timed(connector, dev)
+    if rank == 0:
+        # sender phases, one request: layout / sums queued / isend posted / metadata out / send done
+        from pd_ssm.state_transfer.nccl_checksum import PendingSums
+        from pd_ssm.state_transfer.nccl_message import layout
+
+        ph: dict[str, list[float]] = {"layout": [], "sums_queued": [], "sums_on_host": []}
+        for _ in range(REPS):
+            torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            b, metas = layout(pages, dev)
+            t1 = time.perf_counter()
+            s = PendingSums(b)
+            t2 = time.perf_counter()
+            s.wait()
+            t3 = time.perf_counter()
+            ph["layout"].append(t1 - t0)
+            ph["sums_queued"].append(t2 - t1)
+            ph["sums_on_host"].append(t3 - t2)
+        res.update(ph)
+    dist.barrier()
+    conn.close()
+    dist.destroy_process_group()
+    rq.put((rank, {k: 1e3 * statistics.median(v) for k, v in res.items()}))
+
+
+def main() -> None:
+    out = Path(os.environ.get("OUT", "/tmp/out"))
+    out.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q, rq = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=run, args=(r, port, q, rq)) for r in (1, 0)]
+    for p in procs:
+        p.start()
+    got = dict(rq.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(30)
+    summary = {"sender_ms": got[0], "receiver_ms": got[1], "raw_GBps": N / got[1]["raw_default"] / 1e6}
+    print(json.dumps(summary, indent=1))
+    (out / "nccl_overhead.json").write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
