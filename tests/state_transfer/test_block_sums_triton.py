@@ -11,7 +11,6 @@ from pd_ssm.state_transfer.checksum import BLOCK, host_block_sums
 from pd_ssm.state_transfer.nccl_checksum import block_sums
 from tests.conftest import needs_cuda
 
-
 # Triton's interpreter on a machine without CUDA (tests/conftest.py), the GPU where there is one
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
