@@ -22,7 +22,8 @@ still changes the last block's sum.
 from __future__ import annotations
 
 import zlib
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -31,6 +32,7 @@ _WORDS = BLOCK // 4
 _LANES = BLOCK // 8
 
 Buffer = bytes | bytearray | memoryview
+_Item = TypeVar("_Item")
 
 
 def align(n: int) -> int:
@@ -90,3 +92,20 @@ def payload_checksum(description: bytes, buf: Buffer | np.ndarray) -> int:
     b = _split(buf)
     crc = zlib.crc32(sums_bytes(_block_sums(b)), zlib.crc32(description))
     return zlib.crc32(_lane_sums(b).astype("<u8", copy=False).tobytes(), crc)
+
+
+def even_shares(items: list[_Item], n: int, size: Callable[[_Item], int]) -> list[list[_Item]]:
+    """`items` in order, cut into at most `n` consecutive runs of about equal total `size` (bytes).
+
+    How a connector spreads checksum work over a pool of `n` threads: one task per thread, not per
+    tensor, since each task trades the GIL between the caller and a worker, and two threads trading
+    it may each wait out the 5 ms switch interval."""
+    total = sum(size(x) for x in items)
+    runs: list[list[_Item]] = [[]]
+    done = 0
+    for x in items:
+        if runs[-1] and len(runs) < n and done >= total * len(runs) / n:  # this run holds its share
+            runs.append([])
+        runs[-1].append(x)
+        done += size(x)
+    return [r for r in runs if r]

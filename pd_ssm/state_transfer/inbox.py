@@ -25,6 +25,7 @@ import msgpack
 from pd_ssm.cache.pages import StatePages
 from pd_ssm.state_transfer.assembler import PageAssembler
 from pd_ssm.state_transfer.base import TransferStats
+from pd_ssm.state_transfer.checksum import even_shares
 from pd_ssm.state_transfer.ledger import TransferLedger
 from pd_ssm.state_transfer.reservations import ReservationTable
 from pd_ssm.state_transfer.wire import MAX_HEADER_BYTES, Buffer, Frame, FrameError, decode_frame
@@ -39,10 +40,16 @@ class _Partial:
 
 class Inbox:
     def __init__(
-        self, token: bytes, reservations: ReservationTable, ledger: TransferLedger, pool: Executor | None = None
+        self,
+        token: bytes,
+        reservations: ReservationTable,
+        ledger: TransferLedger,
+        pool: Executor | None = None,
+        threads: int = 1,
     ) -> None:
         self._token = token
         self._pool = pool  # checks a message's frames in parallel (checksums drop the GIL)
+        self._threads = threads  # the pool's workers
         self.reservations = reservations
         self.ledger = ledger
         self._partial: dict[str, _Partial] = {}  # NOTE: only requests whose ticket is in the table
@@ -95,11 +102,13 @@ class Inbox:
         return part.asm.result()
 
     def _decode(self, parts: Sequence[Buffer]) -> list[Frame]:
-        """[header, payload] pairs -> Frames; tensors view the received buffers (no copy)."""
+        """[header, payload] pairs -> Frames; tensors view the received buffers (no copy).
+        With a pool: one task per thread (checksum.even_shares says why), not one per frame."""
         pairs = list(zip(parts[0::2], parts[1::2], strict=True))
-        if self._pool is None or len(pairs) < 2:
-            return [decode_frame(h, p, copy=False) for h, p in pairs]
-        return list(self._pool.map(lambda hp: decode_frame(hp[0], hp[1], copy=False), pairs))
+        if self._pool is None or self._threads < 2 or len(pairs) < 2:
+            return _decode_all(pairs)
+        shares = even_shares(pairs, self._threads, lambda hp: memoryview(hp[1]).nbytes)
+        return [f for frames in self._pool.map(_decode_all, shares) for f in frames]
 
     def sweep(self) -> None:
         """Drop requests in progress whose reservation expired (failed: the caller frees it) or
@@ -129,6 +138,10 @@ class Inbox:
         self._partial.pop(req_id, None)
         self.reservations.cancel(req_id)
         self.ledger.fail(req_id, reason)
+
+
+def _decode_all(pairs: list[tuple[Buffer, Buffer]]) -> list[Frame]:
+    return [decode_frame(h, p, copy=False) for h, p in pairs]
 
 
 def _peek(header: Buffer) -> tuple[str, str] | None:

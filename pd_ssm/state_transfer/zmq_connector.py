@@ -21,16 +21,23 @@ pages then. `abort` of a request already partly sent tells the receiver with an 
 
 Receiver: inbox.py -- authentication, the live Ticket, per-request assembly across messages, and
 the failures that cancel a reservation. Received tensors are views of the ZMQ frames (no copy).
+libzmq mallocs every received frame; glibc serves such buffers with fresh mmaps and gives freed
+ones back to the OS, so each request faulted in every 4 KiB page again (on a VM that cost 2.5x the
+loopback bandwidth). A receiving connector therefore tunes malloc, process-wide, to keep and reuse
+freed memory (`ZmqConfig.malloc_retain_bytes`; None leaves malloc alone).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import zmq
@@ -38,12 +45,15 @@ from zmq.utils.monitor import recv_monitor_message
 
 from pd_ssm.cache.pages import LayerPages, StatePages
 from pd_ssm.state_transfer.base import StreamingConnector, Ticket, TransferStats
+from pd_ssm.state_transfer.checksum import even_shares
 from pd_ssm.state_transfer.inbox import Inbox
 from pd_ssm.state_transfer.ledger import TransferLedger
 from pd_ssm.state_transfer.reservations import ReservationTable
 from pd_ssm.state_transfer.wire import Parts, encode_abort, encode_end, encode_page, encode_request
 
 _MAX_ABORTED = 1 << 16  # remembered aborted ids (to drop their late messages), oldest forgotten first
+# seconds `flush` blocks between pumps: bounds how late it notices a deadline or a peer's disconnect
+_MAX_WAIT = 0.005
 
 
 @dataclass(slots=True)
@@ -56,17 +66,21 @@ class ZmqConfig:
     # a whole request leaves in messages of about this many payload bytes, so the receiver checks
     # one while the next is on the wire and the sender checksums the next while ZMQ sends one
     message_bytes: int = 32 << 20
-    # frames checksummed in parallel on each side (zlib drops the GIL): crc32 runs at ~1 GB/s a core
+    # frames checksummed in parallel on each side (numpy's sums drop the GIL): ~7 GB/s a core
     checksum_threads: int = field(default_factory=lambda: min(8, os.cpu_count() or 1))
+    # a receiver makes glibc keep up to this many freed bytes for reuse (process-wide, see the
+    # module docstring; < 2 GiB: mallopt takes an int); None: leave malloc alone (e.g. not glibc)
+    malloc_retain_bytes: int | None = 1 << 30
 
     def __post_init__(self) -> None:
         if not self.token:
             raise ValueError("ZmqConfig.token is empty: peers authenticate with the shared cluster token")
         positive = (self.send_timeout, self.sndhwm, self.rcvhwm, self.message_bytes, self.checksum_threads)
-        if min(positive) <= 0 or self.linger_ms < 0:
+        retain = self.malloc_retain_bytes
+        if min(positive) <= 0 or self.linger_ms < 0 or (retain is not None and not 0 < retain < 1 << 31):
             raise ValueError(
-                "ZmqConfig: send_timeout, sndhwm, rcvhwm, message_bytes, checksum_threads must be > 0 "
-                f"and linger_ms >= 0: {self}"
+                "ZmqConfig: send_timeout, sndhwm, rcvhwm, message_bytes, checksum_threads must be > 0, "
+                f"linger_ms >= 0 and malloc_retain_bytes None or in (0, 2**31) (mallopt takes an int): {self}"
             )
 
 
@@ -86,8 +100,8 @@ class _Stream:
 class _Outgoing:
     req_id: str
     address: str
-    # frames of wire.py; the pool may still be checksumming some (the caller never waits for it)
-    pieces: list[Future[Parts] | Parts]
+    # batches of wire.py frames; the pool may still be checksumming some (the caller never waits)
+    pieces: list[_Piece]
     deadline: float
     stream: _Stream | None  # None: an abort notice, reported to nobody
     frames: list[zmq.Frame] | None = None  # built once every piece is ready; None again once in ZMQ
@@ -119,13 +133,15 @@ class ZmqConnector(StreamingConnector):
         self.address: str | None = None
         if bind is not None:
             assert reservations is not None
+            if config.malloc_retain_bytes is not None:
+                _retain_freed_memory(config.malloc_retain_bytes)
             pull = self._ctx.socket(zmq.PULL)
             pull.setsockopt(zmq.RCVHWM, config.rcvhwm)
             pull.setsockopt(zmq.LINGER, 0)  # unread messages of a closing receiver are dropped
             pull.bind(bind)  # "tcp://host:0" binds a free port; `address` says which
             self.address = pull.getsockopt_string(zmq.LAST_ENDPOINT)
             self._pull = pull
-            self._inbox = Inbox(self._token, reservations, self.ledger, self._pool)
+            self._inbox = Inbox(self._token, reservations, self.ledger, self._pool, config.checksum_threads)
 
     # ------------------------------------------------------------------------------- send
 
@@ -134,7 +150,7 @@ class ZmqConnector(StreamingConnector):
         if stream.final:
             raise ValueError(f"{ticket.req_id!r}: layers sent after its final send")
         host = _to_host(layers)
-        self._enqueue(ticket.req_id, stream, self._encode(ticket.req_id, host), host, last=False)
+        self._enqueue(ticket.req_id, stream, self._encode(ticket.req_id, host), host)
 
     def send(self, pages: StatePages, ticket: Ticket) -> None:
         if ticket.req_id != pages.req_id:
@@ -144,17 +160,22 @@ class ZmqConnector(StreamingConnector):
             raise ValueError(f"{ticket.req_id!r} was sent already (its final send came twice)")
         *early, host = _groups(_to_host(list(pages.layers.values())), self.config.message_bytes)
         for group in early:
-            self._enqueue(pages.req_id, stream, self._encode(pages.req_id, group), group, last=False)
-        frames = [encode_request(pages.request), *self._encode(pages.req_id, host)]
-        frames.append(encode_end(pages.req_id, stream.num_frames + len(frames)))
+            self._enqueue(pages.req_id, stream, self._encode(pages.req_id, group), group)
+        paged = self._encode(pages.req_id, host)
+        pieces: list[_Piece] = [[encode_request(pages.request)], *paged.pieces]
+        pieces.append([encode_end(pages.req_id, stream.num_frames + 1 + paged.num_frames)])
         stream.final = True
-        self._enqueue(pages.req_id, stream, frames, host, last=True)
+        self._enqueue(pages.req_id, stream, _Encoded(pieces, 1 + paged.num_frames), host)
 
-    def _encode(self, req_id: str, layers: list[LayerPages]) -> list[Future[Parts] | Parts]:
+    def _encode(self, req_id: str, layers: list[LayerPages]) -> _Encoded:
         """Page frames of `layers` (wire.layers_to_frames's order), checksummed by the pool in the
-        background: a prefill forward streaming its layers must not wait for checksums."""
-        items = [(p, name) for p in sorted(layers, key=lambda p: p.layer_idx) for name in sorted(p.tensors)]
-        return [self._pool.submit(encode_page, req_id, p.layer_idx, p.kind, name, p.tensors[name]) for p, name in items]
+        background: a prefill forward streaming its layers must not wait for checksums.
+        One task per pool thread, not per tensor (checksum.even_shares says why)."""
+        items = [(p.layer_idx, p.kind, name, p.tensors[name]) for p in sorted(layers, key=lambda p: p.layer_idx)
+                 for name in sorted(p.tensors)]
+        batches = even_shares(items, self.config.checksum_threads, lambda item: item[3].nbytes)
+        pieces: list[_Piece] = [self._pool.submit(_encode_pages, req_id, batch) for batch in batches]
+        return _Encoded(pieces, len(items))
 
     def _stream(self, ticket: Ticket) -> _Stream:
         self._check_open()
@@ -168,15 +189,13 @@ class ZmqConnector(StreamingConnector):
             raise ValueError(f"{ticket.req_id!r} is being sent to {stream.address}, not {ticket.address}")
         return stream
 
-    def _enqueue(
-        self, req_id: str, stream: _Stream, pieces: list[Future[Parts] | Parts], host: list[LayerPages], last: bool
-    ) -> None:
-        stream.num_frames += len(pieces) - (1 if last else 0)  # the end frame counts the others
+    def _enqueue(self, req_id: str, stream: _Stream, encoded: _Encoded, host: list[LayerPages]) -> None:
+        stream.num_frames += encoded.num_frames  # NOTE: without the end frame, which counts the others
         stream.nbytes += sum(p.nbytes() for p in host)
         stream.messages += 1
-        self._queue(req_id, stream.address, pieces, stream)
+        self._queue(req_id, stream.address, encoded.pieces, stream)
 
-    def _queue(self, req_id: str, address: str, pieces: list[Future[Parts] | Parts], stream: _Stream | None) -> None:
+    def _queue(self, req_id: str, address: str, pieces: list[_Piece], stream: _Stream | None) -> None:
         deadline = time.monotonic() + self.config.send_timeout
         self._outbox.append(_Outgoing(req_id, address, pieces, deadline, stream))
         self._pump()
@@ -189,9 +208,10 @@ class ZmqConnector(StreamingConnector):
             for p in out.pieces:
                 if isinstance(p, Future) and p.exception() is not None:
                     raise _Unsendable(f"a page could not be encoded: {p.exception()}")
-            parts = [self._token, *(part for p in out.pieces for part in (p.result() if isinstance(p, Future) else p))]
-            out.frames = [zmq.Frame(p, copy=False, track=True) for p in parts]
-            out.tracker = zmq.MessageTracker(*out.frames)
+            batches = (p.result() if isinstance(p, Future) else p for p in out.pieces)
+            parts = [self._token, *(part for batch in batches for frame in batch for part in frame)]
+            out.frames = [_frame(p) for p in parts]
+            out.tracker = zmq.MessageTracker(*(f for f in out.frames if f.tracker is not None))
             out.pieces = []
         return out.frames
 
@@ -205,9 +225,33 @@ class ZmqConnector(StreamingConnector):
             self._pump()
             if not self._outbox and not self._in_zmq:
                 return True
-            if end is not None and time.monotonic() >= end:
+            left = _MAX_WAIT if end is None else end - time.monotonic()
+            if left <= 0:
                 return False
-            time.sleep(0.001)
+            self._wait(min(left, _MAX_WAIT))
+
+    def _wait(self, seconds: float) -> None:
+        """Block (the GIL released) until what holds up the oldest queued send may have moved:
+        its checksums, room in ZMQ's queue, or ZMQ releasing its buffers -- at most `seconds`."""
+        if self._outbox:
+            head = self._outbox[0]
+            pending = [p for p in head.pieces if isinstance(p, Future) and not p.done()]
+            if pending:
+                wait_futures(pending, timeout=seconds)
+                return
+            sock = self._push.get(head.address)
+            if sock is not None:
+                sock.poll(max(1, int(seconds * 1000)), zmq.POLLOUT)
+                return
+        elif self._in_zmq:
+            tracker = self._in_zmq[0].tracker
+            assert tracker is not None
+            try:
+                tracker.wait(seconds)
+            except zmq.NotDone:
+                pass
+            return
+        time.sleep(seconds)
 
     def _pump(self) -> None:
         blocked: set[str] = set()  # keep per-destination order: one refusal blocks later messages
@@ -336,7 +380,7 @@ class ZmqConnector(StreamingConnector):
         self._outbox = deque(o for o in self._outbox if o.req_id != req_id)
         stream = self._streams.pop(req_id, None)
         if stream is not None and not self._closed:
-            self._queue(req_id, stream.address, [encode_abort(req_id, "aborted by the sender")], None)
+            self._queue(req_id, stream.address, [[encode_abort(req_id, "aborted by the sender")]], None)
         if self._inbox is not None:
             self._inbox.abort(req_id)
 
@@ -369,6 +413,31 @@ class _Unsendable(Exception):
     pass
 
 
+# a batch of wire frames of one message: ready, or being encoded by the pool
+_Piece = Future[list[Parts]] | list[Parts]
+
+
+class _Encoded(NamedTuple):
+    pieces: list[_Piece]
+    num_frames: int  # frames in `pieces`
+
+
+def _encode_pages(req_id: str, batch: list[tuple[int, str, str, torch.Tensor]]) -> list[Parts]:
+    return [encode_page(req_id, layer, kind, name, t) for layer, kind, name, t in batch]
+
+
+# NOTE: a tracked zero-copy frame costs ~15 us to build and a wake-up of pyzmq's garbage-collector
+# thread when ZMQ lets go of it; a copy of a small part costs less (headers, conv pages, bodies)
+_COPY_BELOW = 64 << 10  # bytes
+
+
+def _frame(part: bytes | memoryview) -> zmq.Frame:
+    """A ZMQ frame of one message part: copied when small, else zero-copy and tracked."""
+    if memoryview(part).nbytes < _COPY_BELOW:
+        return zmq.Frame(part)
+    return zmq.Frame(part, copy=False, track=True)
+
+
 def _groups(layers: list[LayerPages], nbytes: int) -> list[list[LayerPages]]:
     """Consecutive layers in groups of at least `nbytes` (the last may be smaller, or empty)."""
     groups: list[list[LayerPages]] = [[]]
@@ -380,6 +449,27 @@ def _groups(layers: list[LayerPages], nbytes: int) -> list[list[LayerPages]]:
         groups[-1].append(page)
         size += page.nbytes()
     return groups
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_HEAP_MAX = 64 << 20  # a thread arena's heap on 64-bit hosts; glibc's mmap threshold is at most half
+
+
+def _retain_freed_memory(retain_bytes: int) -> None:
+    """Make glibc malloc reuse freed receive buffers instead of faulting in fresh pages each request.
+
+    Frames below 32 MB come from the heap, not mmap; up to `retain_bytes` of freed heap stay mapped;
+    a top pad of a whole heap, since libzmq's I/O thread allocates in a thread arena, whose 64 MB
+    heaps glibc unmaps as soon as they are empty unless the pad forbids it. Process-wide, idempotent."""
+    # NOTE: the process's own symbols include the C library's; find_library would run ldconfig
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        raise RuntimeError("this C library has no mallopt (not glibc?): set ZmqConfig.malloc_retain_bytes=None")
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    for param, value in ((_M_MMAP_THRESHOLD, _HEAP_MAX // 2), (_M_TRIM_THRESHOLD, retain_bytes), (_M_TOP_PAD, _HEAP_MAX)):
+        if mallopt(param, value) != 1:
+            raise RuntimeError(f"mallopt({param}, {value}) failed: set ZmqConfig.malloc_retain_bytes=None")
 
 
 def _to_host(layers: Sequence[LayerPages]) -> list[LayerPages]:

@@ -1,5 +1,5 @@
 """checksum.py: exact per-4-KiB int64 block sums and per-offset lane sums, the tail zero-padded;
-the NCCL connector's CPU path gives the same block sums."""
+the NCCL connector's CPU path adds the same block sums up; work shares for checksum pools."""
 
 from __future__ import annotations
 
@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from pd_ssm.state_transfer import nccl_checksum
-from pd_ssm.state_transfer.checksum import BLOCK, align, host_block_sums, payload_checksum, sums_bytes
+from pd_ssm.state_transfer.checksum import (
+    BLOCK,
+    align,
+    even_shares,
+    host_block_sums,
+    payload_checksum,
+    sums_bytes,
+)
 
 
 def ref_sums(raw: bytes) -> list[int]:
@@ -75,7 +82,18 @@ def test_lane_sums_catch_flips_that_cancel_in_a_block_sum() -> None:
     assert payload_checksum(b"", words.tobytes()) != payload_checksum(b"", bad.tobytes())
 
 
-def test_nccl_cpu_path_uses_the_same_sums() -> None:
-    buf = torch.randint(0, 256, (5 * BLOCK,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    assert nccl_checksum.block_sums(buf) == sums_bytes(host_block_sums(buf.numpy()))
-    assert nccl_checksum.BLOCK == BLOCK
+def test_nccl_cpu_path_builds_on_the_shared_sums() -> None:
+    nblock = nccl_checksum.BLOCK  # a multiple of ours: its sums add ours up
+    buf = torch.randint(0, 256, (3 * nblock,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    ours = host_block_sums(buf.numpy()).reshape(-1, nblock // BLOCK).sum(axis=1)
+    assert nccl_checksum.block_sums(buf) == sums_bytes(ours)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+def test_even_shares_keep_order_and_balance(n: int) -> None:
+    sizes = [5, 1, 1, 7, 3, 3, 2, 8, 1, 1]
+    runs = even_shares(sizes, n, lambda x: x)
+    assert [x for r in runs for x in r] == sizes and 1 <= len(runs) <= n and all(runs)
+    if n == 2:
+        assert runs == [[5, 1, 1, 7, 3], [3, 2, 8, 1, 1]]  # 17 and 15 of 32
+    assert even_shares([], n, lambda x: x) == []
