@@ -96,7 +96,9 @@ def run(rank: int, port: int, q: Any, rq: Any) -> None:
     if rank == 1:  # reservations for every connector run, made before the barriers
         for i in range(REPS + 2):
             table.reserve(f"c{i}", conn.address or "", slot=0)
+    marks = _instrument(rank)
     res["connector"] = _timed(connector, dev)
+    res.update(_phases(marks))
     if rank == 0:
         # sender phases, one request: layout / sums queued / isend posted / metadata out / send done
         from pd_ssm.state_transfer.nccl_checksum import PendingSums
@@ -120,6 +122,57 @@ def run(rank: int, port: int, q: Any, rq: Any) -> None:
     conn.close()
     dist.destroy_process_group()
     rq.put((rank, {k: 1e3 * statistics.median(v) for k, v in res.items()}))
+
+
+def _instrument(rank: int) -> list[tuple[str, float]]:
+    """Timestamps of the connector's steps (wrapped methods), for the phase split."""
+    from pd_ssm.state_transfer import nccl_message, nccl_receiver, nccl_sender
+
+    marks: list[tuple[str, float]] = []
+
+    def wrap(owner: Any, name: str, label: str) -> None:
+        fn = getattr(owner, name)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            marks.append((label + ".start", time.perf_counter()))
+            out = fn(*a, **k)
+            marks.append((label + ".end", time.perf_counter()))
+            return out
+
+        setattr(owner, name, timed)
+
+    if rank == 0:
+        wrap(nccl_sender, "layout", "layout")
+        wrap(nccl_sender, "PendingSums", "sums")
+        wrap(nccl_sender.NcclSender, "_isend", "isend")
+        wrap(nccl_sender, "seal_sums", "seal")
+        wrap(nccl_sender.NcclSender, "_check_dropped", "probe")
+    else:
+        wrap(nccl_receiver.NcclReceiver, "_read", "read")
+        wrap(nccl_receiver.NcclReceiver, "_wait", "wait")
+        wrap(nccl_receiver, "unpack", "unpack")
+        wrap(nccl_receiver, "parse_request", "parse_request")
+        wrap(nccl_message, "block_sums", "block_sums")
+    marks.append(("barrier", 0.0))
+    return marks
+
+
+def _phases(marks: list[tuple[str, float]]) -> dict[str, list[float]]:
+    """Per run: each mark's time after the run's barrier (the first mark of the run)."""
+    runs: list[dict[str, float]] = []
+    for label, t in marks:
+        if label == "barrier":
+            continue
+        if label.startswith(("layout.start", "read.start")) and (not runs or label in runs[-1]):
+            runs.append({})
+        if runs and label not in runs[-1]:
+            runs[-1][label] = t
+    out: dict[str, list[float]] = {}
+    for r in runs[2:]:
+        t0 = min(r.values())
+        for label, t in r.items():
+            out.setdefault("at:" + label, []).append(t - t0)
+    return out
 
 
 def main() -> None:

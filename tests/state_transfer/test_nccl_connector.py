@@ -19,6 +19,7 @@ import torch
 from pd_ssm.cache.pages import LayerPages, RequestState, StatePages
 from pd_ssm.state_transfer.base import Ticket
 from pd_ssm.state_transfer.nccl_connector import NcclConfig, NcclConnector
+from pd_ssm.state_transfer.nccl_message import pack
 from pd_ssm.state_transfer.nccl_receiver import NcclReceiver
 from pd_ssm.state_transfer.reservations import ReservationTable
 
@@ -178,7 +179,7 @@ def test_64_requests_in_flight_arrive_exact_and_nothing_leaks(window: str, monke
         return finish(self, item)
 
     monkeypatch.setattr(NcclReceiver, "_finish", spy)
-    one = make_pages("x", torch.float32, 0).nbytes()
+    one = pack(make_pages("x", torch.float32, 0), torch.device("cpu"))[0].numel()  # a request's p2p bytes
     table = ReservationTable(ttl=60.0, token=TOKEN)
     free_slots = list(range(IN_FLIGHT))  # the decode pool's bookkeeping: free + used == total
     used: dict[str, int] = {}
@@ -190,7 +191,7 @@ def test_64_requests_in_flight_arrive_exact_and_nothing_leaks(window: str, monke
         if window == "default":
             assert max(posted) > 4 * one  # several requests on the link at once
         else:
-            assert 0 < max(posted) <= 2 * one  # one request (and its block padding) at a time
+            assert 0 < max(posted) <= one  # one request at a time
         assert failed == {} and len(got) == IN_FLIGHT
         for i in range(IN_FLIGHT):
             assert_same(make_pages(f"m{i}", torch.bfloat16 if i % 2 else torch.float32, i), got[f"m{i}"])
