@@ -17,12 +17,12 @@ gives up on a request it already streamed pages of sends one "abort" frame, so t
 releases the reservation at once instead of at its expiry.
 
 Checksum (version 2): zlib.crc32 over the frame's identity fields (kind, req_id, layer, page_kind,
-name, dtype, shape, nbytes, msgpack-packed), then the little-endian int64 sums of each 4 KiB block
-of the payload's int32 words, then its 512 uint64 lane sums (per 8-byte offset within a block, over
-all blocks); the last block zero-padded (checksum.py; the block sums are the NCCL connector's too).
-Summing runs at ~7 GB/s a core where crc32 over every byte ran at 2-3 GB/s, which capped the
-loopback transfer. Both peers use the standard library and numpy, so they always agree on the
-algorithm (an optional xxhash would let two peers silently disagree).
+name, dtype, shape, nbytes, msgpack-packed), then the little-endian sums mod 2**64 of each 4 KiB
+block's 8-byte words, then the payload's 512 lane sums (per 8-byte offset within a block, over all
+blocks); the last block zero-padded (checksum.payload_checksum). Summing runs at ~8 GB/s a core
+where crc32 over every byte ran at 2-3 GB/s, which capped the loopback transfer. Both peers use
+the standard library and numpy, so they always agree on the algorithm (an optional xxhash would
+let two peers silently disagree).
 
 What it catches: a header that still parses but names the wrong layer or shape; any single
 flipped bit (it changes its block's sum); any change to 1-3 words (a pair that cancels in its
