@@ -151,6 +151,7 @@ class NcclReceiver:
             return None
         if item.work is not None:
             self._wait(item)
+            self._fill()  # the next requests' recvs go on the link before this one is checked
         if not item.authentic:
             self.ledger.fail_anonymous("unauthenticated", (
                 f"request {control.req_id!r} with a wrong cluster token: {control.nbytes} bytes dropped"
