@@ -82,10 +82,11 @@ def run(rank: int, port: int, q: Any, rq: Any) -> None:
         assert all(grp.wait(w, 60) is None for w in works)
 
     res["raw_peer_x8"] = _timed(peer8, dev)
-    pages = make_pages("o", "mamba2", torch.float32, PageShape())
-    if rank == 0:
-        for layer in pages.layers.values():
-            layer.tensors = {k: t.to(dev) for k, t in layer.tensors.items()}
+    from pd_ssm.cache.pages import PageRun, StatePages
+
+    host = make_pages("o", "mamba2", torch.float32, PageShape())
+    assert host.runs is not None
+    pages = StatePages(host.request, runs=[PageRun(r.kind, r.name, r.layers, r.stacked.to(dev)) for r in host.runs])
     n = [0]
 
     def connector() -> None:

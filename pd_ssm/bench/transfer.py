@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from pd_ssm.cache.pages import LayerPages, RequestState, StatePages
+from pd_ssm.cache.pages import LayerPages, RequestState, StatePages, runs_of
 
 ZMQ_TARGET = 0.70  # x the raw socket
 NCCL_TARGET = 0.80  # x raw send/recv
@@ -76,7 +76,8 @@ class TransferBenchOptions:
 
 
 def make_pages(req_id: str, kind: str, dtype: torch.dtype, shape: PageShape, seed: int = 0) -> StatePages:
-    """Random (never zero) pages of one request, on the CPU."""
+    """Random (never zero) pages of one request, on the CPU, as runs (the form export_pages gives
+    a prefill worker: one stacked tensor per name over the layers)."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(dims: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
@@ -90,12 +91,15 @@ def make_pages(req_id: str, kind: str, dtype: torch.dtype, shape: PageShape, see
                                                           "v": rand(shape.kv, torch.bfloat16)})
         else:
             pages.layers[i] = LayerPages(i, "ssm", {"conv": rand(shape.conv, torch.bfloat16), "ssm": rand(shape.ssm, dtype)})
-    return pages
+    return StatePages(req, runs=runs_of(pages.layers))
 
 
 def renamed(pages: StatePages, req_id: str) -> StatePages:
-    """The same tensors under another request id (no copy)."""
-    return StatePages(dataclasses.replace(pages.request, req_id=req_id), pages.layers)
+    """The same tensors under another request id (no copy), in the same form (runs or layers)."""
+    request = dataclasses.replace(pages.request, req_id=req_id)
+    if pages.runs is not None:
+        return StatePages(request, runs=pages.runs)
+    return StatePages(request, pages.layers)
 
 
 def median_gbps(nbytes: int, run: Callable[[int], float], repeats: int) -> float:

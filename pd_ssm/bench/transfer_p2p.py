@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from pd_ssm.bench.transfer import TOKEN, PageShape, make_pages, renamed
+from pd_ssm.cache.pages import PageRun, StatePages
 
 
 def p2p_gbps(
@@ -86,10 +87,11 @@ def _sender(kind: str, dtype: str, shape: PageShape, device: str, repeats: int, 
     from pd_ssm.state_transfer.nccl_connector import NcclConfig, NcclConnector
 
     dev = _dev(device, 0)
-    pages = make_pages("p2p", kind, getattr(torch, dtype), shape)
-    for p in pages.layers.values():
-        p.tensors = {k: t.to(dev) for k, t in p.tensors.items()}
-    flat = torch.cat([t.reshape(-1).view(torch.uint8) for p in pages.layers.values() for t in p.tensors.values()])
+    host = make_pages("p2p", kind, getattr(torch, dtype), shape)
+    assert host.runs is not None
+    runs = [PageRun(r.kind, r.name, r.layers, r.stacked.to(dev)) for r in host.runs]
+    pages = StatePages(host.request, runs=runs)  # on the device, as export_pages leaves them
+    flat = torch.cat([r.stacked.reshape(-1).view(torch.uint8) for r in runs])
     rendezvous = to_sender.get(timeout=timeout)
     tx = NcclConnector(NcclConfig(TOKEN, rendezvous, device=str(dev), timeout=timeout, send_timeout=timeout))
     _join_default_group(device, 0, port, timeout)

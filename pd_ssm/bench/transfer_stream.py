@@ -53,6 +53,9 @@ class _TimedSink:
     def finish(self, request: RequestState) -> None:
         self.inner.finish(request)
 
+    def finish_pages(self, pages: StatePages) -> None:
+        self.inner.finish_pages(pages)
+
     def cancel(self, req_id: str) -> None:
         self.inner.cancel(req_id)
 

@@ -36,7 +36,7 @@ from typing import Protocol
 import torch
 
 from pd_ssm.cache.manager import CacheManager
-from pd_ssm.cache.pages import LayerPages, RequestState, export_layer, export_pages
+from pd_ssm.cache.pages import LayerPages, RequestState, StatePages, export_layer, export_pages
 from pd_ssm.cache.pool import CachePool
 from pd_ssm.engine.schedule_types import SchedulerOutput
 
@@ -49,6 +49,9 @@ class PageSink(Protocol):
 
     def finish(self, request: RequestState) -> None:
         """The last call for a request: its state after the first token; all its layers came before."""
+
+    def finish_pages(self, pages: StatePages) -> None:
+        """Instead of layers + finish (per_layer=False): the whole request, state and pages, at once."""
 
     def cancel(self, req_id: str) -> None:
         """The request will not be finished (finished on its first token, aborted): drop it."""
@@ -125,9 +128,7 @@ class LayerExporter:
         if not self.per_layer:
             req_id = request.req_id
             table = list(self.cache.block_table(req_id)) if self.cache.uses_kv else []
-            pages = export_pages(self.pool, request, self.cache.slot(req_id), table)
-            self.sink.send_layers(req_id, list(pages.layers.values()))
-            self.sink.finish(request)
+            self.sink.finish_pages(export_pages(self.pool, request, self.cache.slot(req_id), table))
             return
         self._hand_over(wait_beyond=0)
         self._targets = [t for t in self._targets if t.req_id != request.req_id]

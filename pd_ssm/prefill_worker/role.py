@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from pd_ssm.cache.pages import LayerPages, RequestState
+from pd_ssm.cache.pages import LayerPages, RequestState, StatePages
 from pd_ssm.control.disagg_messages import ForwardTicket, PrefillRequest, TicketSpec, TransferReport
 from pd_ssm.control.messages import AbortRequest, StepOutputs, SubmitRequest, TokenDelta
 from pd_ssm.engine.engine import Engine, RequestError
@@ -58,6 +58,9 @@ class PrefillRole:
 
     def finish(self, request: RequestState) -> None:
         self.sink.finish(request)
+
+    def finish_pages(self, pages: StatePages) -> None:
+        self.sink.finish_pages(pages)
 
     def cancel(self, req_id: str) -> None:
         # finished at its first token, or aborted: nothing will be sent for it

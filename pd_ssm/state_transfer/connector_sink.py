@@ -1,9 +1,11 @@
 """ConnectorSink: the prefill side's PageSink over a Connector, one Ticket per request.
 
 The engine's LayerExporter hands over a request's layers as its forward finishes them, then its
-state after the first token. The sink routes them to the request's Ticket: a StreamingConnector
-gets each piece at once (`send_layers`), any other connector the whole request in the final
-`send`. The ticket may come later than the first layers (the prefill side starts computing before
+state after the first token -- or, for a connector that takes whole requests (`streams` False),
+the whole request at once after the forward (`finish_pages`: pages as export_pages makes them,
+runs and all, so the NCCL connector sends them without per-layer work). The sink routes them to
+the request's Ticket: a StreamingConnector gets each piece at once (`send_layers`), any other
+connector the whole request in the final `send`. The ticket may come later than the first layers (the prefill side starts computing before
 the decode side answered); layers wait here until it does, and a request finished before its
 ticket came is sent when the ticket arrives.
 
@@ -25,7 +27,7 @@ class ConnectorSink:
         self.streams = isinstance(connector, StreamingConnector)
         self._tickets: dict[str, Ticket] = {}
         self._held: dict[str, list[LayerPages]] = {}  # layers not handed to the connector yet
-        self._done: dict[str, RequestState] = {}  # finished before their ticket came
+        self._done: dict[str, StatePages] = {}  # finished before their ticket came
         self._failed: dict[str, str] = {}  # reported by take_failed
         self._dead: set[str] = set()  # failed: their later pieces are dropped until finish / cancel
 
@@ -37,9 +39,9 @@ class ConnectorSink:
         self._tickets[req_id] = ticket
         if self.streams and self._held.get(req_id):
             self._guard(req_id, lambda: self._stream(ticket, self._held.pop(req_id)))
-        state = self._done.pop(req_id, None)
-        if state is not None:
-            self.finish(state)
+        pages = self._done.pop(req_id, None)
+        if pages is not None:
+            self.finish_pages(pages)
 
     def send_layers(self, req_id: str, layers: list[LayerPages]) -> None:
         ticket = self._tickets.get(req_id)
@@ -51,17 +53,24 @@ class ConnectorSink:
         self._guard(req_id, lambda: self._stream(ticket, layers))
 
     def finish(self, request: RequestState) -> None:
-        req_id = request.req_id
+        self.finish_pages(StatePages(request))
+
+    def finish_pages(self, pages: StatePages) -> None:
+        """The request's last call: its final state and the layers not handed over before (those
+        held here join them when it leaves)."""
+        req_id = pages.req_id
         if req_id in self._dead:
             self._dead.discard(req_id)  # its last call: nothing more will come for it
             return
         ticket = self._tickets.get(req_id)
         if ticket is None:
-            self._done[req_id] = request
+            self._done[req_id] = pages
             return
         del self._tickets[req_id]
-        layers = {p.layer_idx: p for p in self._held.pop(req_id, [])}
-        self._guard(req_id, lambda: self.connector.send(StatePages(request, layers), ticket))
+        held = self._held.pop(req_id, None)
+        if held:
+            pages.layers.update((p.layer_idx, p) for p in held)
+        self._guard(req_id, lambda: self.connector.send(pages, ticket))
         self._dead.discard(req_id)  # its last call either way
 
     def cancel(self, req_id: str) -> None:

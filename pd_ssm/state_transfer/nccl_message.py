@@ -24,7 +24,7 @@ from typing import Any
 import msgpack
 import torch
 
-from pd_ssm.cache.pages import LayerPages, RequestState, StatePages
+from pd_ssm.cache.pages import PageRun, RequestState, StatePages
 from pd_ssm.state_transfer.nccl_checksum import BLOCK, align, block_sums, tensor_checksum
 from pd_ssm.state_transfer.wire import (
     DTYPES,
@@ -70,10 +70,17 @@ class RunMeta:
     checksum: int  # nccl_checksum.tensor_checksum of this header and [offset, align(offset + nbytes))
 
 
-def _runs(pages: StatePages) -> list[tuple[tuple[str, str, torch.dtype, torch.Size], list[int], list[torch.Tensor]]]:
+_Source = torch.Tensor | list[torch.Tensor]  # a run's tensors: already stacked, or one per layer
+
+
+def _runs(pages: StatePages) -> list[tuple[tuple[str, str, torch.dtype, torch.Size], list[int], _Source]]:
     """The pages' tensors grouped by (page kind, name, dtype, shape), layers ascending, in order of
-    first appearance: a Mamba2 request is 2 runs (conv, ssm), a hybrid 4 (+ k, v). Every `send`
-    walks all 128 tensors of a 2.7B request here, so this loop stays lean."""
+    first appearance: a Mamba2 request is 2 runs (conv, ssm), a hybrid 4 (+ k, v). Pages that
+    still come as runs (export_pages) are taken as they are; per-layer pages are grouped here, a
+    loop over every tensor (128 for a 2.7B request), kept lean."""
+    if pages.runs is not None:
+        return [((r.kind, r.name, r.stacked.dtype, r.stacked.shape[1:]), list(r.layers), r.stacked)
+                for r in pages.runs]
     runs: dict[tuple[str, str, torch.dtype, torch.Size], tuple[list[int], list[torch.Tensor]]] = {}
     layers = pages.layers
     for layer_idx in sorted(layers):
@@ -116,13 +123,16 @@ def layout(pages: StatePages, device: torch.device) -> tuple[torch.Tensor, list[
                       "offset": offset, "nbytes": n, "checksum": 0})
         offset += align(n)
     buf = torch.empty(offset, dtype=torch.uint8, device=device)
-    for m, (_, layers, tensors) in zip(metas, runs, strict=True):
+    for m, ((_, _, dt, _), layers, source) in zip(metas, runs, strict=True):
         start, n = m["offset"], m["nbytes"]
         if n:
-            out = buf[start : start + n].view(tensors[0].dtype).view(len(layers), *m["shape"])
-            if tensors[0].device != buf.device:  # host pages for a GPU buffer: the slow path
-                tensors = [t.to(buf.device) for t in tensors]
-            torch.stack(tensors, out=out)  # pages hold no autograd history (exported under no_grad)
+            out = buf[start : start + n].view(dt).view(len(layers), *m["shape"])
+            if isinstance(source, torch.Tensor):
+                out.copy_(source)  # across devices too
+            else:
+                if source[0].device != buf.device:  # host pages for a GPU buffer: the slow path
+                    source = [t.to(buf.device) for t in source]
+                torch.stack(source, out=out)  # pages hold no autograd history (exported under no_grad)
         buf[start + n : align(start + n)].zero_()  # the gap is summed: both sides must see zeros
     return buf, metas
 
@@ -146,10 +156,12 @@ def _describe(layers: Any, kind: str, name: str, dtype: str, shape: Any, offset:
 
 
 def unpack(request: RequestState, metas: list[RunMeta], buf: torch.Tensor, device: torch.device) -> StatePages:
-    """Verify every run's checksum, then return per-layer views of `buf` (one copy per run if
-    `device` differs)."""
+    """Verify every run's checksum, then return the runs as views of `buf` (one copy per run if
+    `device` differs). A layer named twice, or with two page kinds, is refused here too."""
     sums = block_sums(buf)
-    pages = StatePages(request)
+    runs: list[PageRun] = []
+    by_name: dict[str, set[int]] = {}  # set operations, not a Python loop over 128 tensors
+    by_kind: dict[str, set[int]] = {}
     for m in metas:
         header = _describe(m.layers, m.page_kind, m.name, _DTYPE_NAMES[m.dtype], m.shape, m.offset, m.nbytes)
         got = tensor_checksum(sums, m.offset, m.nbytes, header)
@@ -158,13 +170,18 @@ def unpack(request: RequestState, metas: list[RunMeta], buf: torch.Tensor, devic
                 f"checksum mismatch on {m.name!r} of layers {list(m.layers)}: computed {got:#010x}, "
                 f"sent {m.checksum:#010x}"
             )
-        stacked = buf[m.offset : m.offset + m.nbytes].view(m.dtype).view(len(m.layers), *m.shape).to(device)
-        for layer_idx, tensor in zip(m.layers, stacked.unbind(0), strict=True):
-            page = pages.layers.setdefault(layer_idx, LayerPages(layer_idx, m.page_kind, {}))
-            if page.kind != m.page_kind or m.name in page.tensors:
-                raise FrameError(f"layer {layer_idx}: tensor {m.name!r} repeated or page kinds disagree")
-            page.tensors[m.name] = tensor
-    return pages
+        named = by_name.setdefault(m.name, set())
+        clash = named.intersection(m.layers)
+        for kind, layers in by_kind.items():
+            if kind != m.page_kind:
+                clash |= layers.intersection(m.layers)
+        if clash:
+            raise FrameError(f"layers {sorted(clash)}: tensor {m.name!r} repeated or page kinds disagree")
+        named.update(m.layers)
+        by_kind.setdefault(m.page_kind, set()).update(m.layers)
+        stacked = buf[m.offset : m.offset + m.nbytes].view(m.dtype).view(len(m.layers), *m.shape)
+        runs.append(PageRun(m.page_kind, m.name, m.layers, stacked.to(device)))
+    return StatePages(request, runs=runs)
 
 
 def _unpack_msgpack(raw: bytes, limit: int, what: str) -> Any:

@@ -48,6 +48,9 @@ class RecordingSink:
     def finish(self, request: RequestState) -> None:
         self.calls.append(("finish", request.req_id, request))
 
+    def finish_pages(self, pages: StatePages) -> None:
+        self.calls.append(("finish_pages", pages.req_id, pages))
+
     def cancel(self, req_id: str) -> None:
         self.calls.append(("cancel", req_id, None))
 
@@ -102,8 +105,8 @@ def test_streamed_pages_equal_a_whole_export(name: str, device: str, hf_checkpoi
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 def test_whole_request_sink_gets_one_export_after_the_forward(device: str, hf_checkpoint: Any) -> None:
-    """per_layer=False (the NCCL connector): no hook in the forward, then every layer in one call
-    (device tensors: the connector sends from the GPU), equal to a plain export."""
+    """per_layer=False (the NCCL connector): no hook in the forward, then the whole request in one
+    call (device tensors, as runs: the connector sends from the GPU), equal to a plain export."""
     path, _ = hf_checkpoint("bamba-attn-first")
     params = params_for("greedy")
     prompts = dict(zip(["a", "b"], random_prompts(VOCAB, [29, 6], seed=4), strict=True))
@@ -118,10 +121,12 @@ def test_whole_request_sink_gets_one_export_after_the_forward(device: str, hf_ch
     assert hooks and all(h is None for h in hooks)
     for rid in prompts:
         mine = [(kind, payload) for kind, r, payload in sink.calls if r == rid]
-        assert [k for k, _ in mine] == ["layers", "finish"]
-        layers = mine[0][1]
-        assert [p.layer_idx for p in layers] == sorted(exporter.cache_layers)
-        for page in layers:
+        assert [k for k, _ in mine] == ["finish_pages"]
+        pages = mine[0][1]
+        assert pages.runs is not None  # as exported: stacked runs, no per-layer tensors made
+        assert pages.request.output_token_ids == whole[rid].request.output_token_ids  # (seeds differ: greedy)
+        assert sorted(pages.layers) == sorted(exporter.cache_layers)
+        for page in pages.layers.values():
             for tname, t in page.tensors.items():
                 assert t.device.type == device
                 assert torch.equal(t.view(torch.uint8), whole[rid].layers[page.layer_idx].tensors[tname].view(torch.uint8))
