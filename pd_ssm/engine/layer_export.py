@@ -113,12 +113,17 @@ class LayerExporter:
             return
         computed = torch.cuda.current_stream(self.pool.device).record_event()
         staged: list[tuple[str, LayerPages]] = []
+        ssm = layer_idx in self.pool.ssm_index
         with torch.cuda.stream(self.side):
             self.side.wait_event(computed)
             for t in self._targets:
-                page = export_layer(self.pool, layer_idx, t.slot, t.block_table, t.num_tokens)
-                host = {name: _pinned_copy(x) for name, x in page.tensors.items()}
-                staged.append((t.req_id, LayerPages(layer_idx, page.kind, host)))
+                if ssm:  # straight from the slot: nothing writes it again before finish/cancel wait for us
+                    kind, views = "ssm", {"conv": self.pool.conv(layer_idx)[t.slot], "ssm": self.pool.ssm(layer_idx)[t.slot]}
+                else:  # attention: the request's KV rows, gathered out of its blocks
+                    page = export_layer(self.pool, layer_idx, t.slot, t.block_table, t.num_tokens)
+                    kind, views = page.kind, page.tensors
+                host = {name: _pinned_copy(x) for name, x in views.items()}
+                staged.append((t.req_id, LayerPages(layer_idx, kind, host)))
             done = self.side.record_event()
         self._staged.append(_Staged(done, staged))
         self._hand_over(wait_beyond=self.lag)
@@ -143,16 +148,19 @@ class LayerExporter:
     def _hand_over(self, wait_beyond: int | None, skip: str | None = None) -> None:
         """Give the sink every completed snapshot, in order; wait for the oldest ones while more
         than `wait_beyond` are outstanding (None: never wait)."""
+        ready: dict[str, list[LayerPages]] = {}  # NOTE: one hand-over per request, not per layer
         while self._staged:
             head = self._staged[0]
             if wait_beyond is not None and len(self._staged) > wait_beyond:
                 head.done.synchronize()
             elif not head.done.query():
-                return
+                break
             self._staged.popleft()
             for req_id, page in head.pages:
                 if req_id != skip:
-                    self.sink.send_layers(req_id, [page])
+                    ready.setdefault(req_id, []).append(page)
+        for req_id, pages in ready.items():
+            self.sink.send_layers(req_id, pages)
 
 
 def _pinned_copy(x: torch.Tensor) -> torch.Tensor:
