@@ -44,6 +44,7 @@ from pd_ssm.state_transfer.nccl_message import Control, layout, seal_sums
 from pd_ssm.state_transfer.wire import encode_request
 
 _PROBE_TIMEOUT = 1.0  # seconds a liveness probe of the rendezvous store may take
+_REAP_PROBE_S = 0.02  # seconds between the store probes of `reap` (flush always probes)
 
 
 @dataclass(slots=True)
@@ -78,6 +79,7 @@ class NcclSender:
         self._probe: dist.TCPStore | None = None  # the receiver's store, with a short timeout
         self._pending: list[_Outgoing] = []  # FIFO: p2p sends complete in posting order
         self._sealing: deque[_Sealing] = deque()  # posted, metadata not sent yet; FIFO
+        self._probed = 0.0  # time.monotonic() of reap's last store probe
 
     @property
     def paired(self) -> bool:
@@ -215,9 +217,13 @@ class NcclSender:
 
     def reap(self) -> None:
         """Report completed sends without blocking where the backend can tell (NCCL); a send older
-        than `timeout` means the peer is gone. Also notices a pairing the receiver dropped."""
+        than `timeout` means the peer is gone. Also notices a pairing the receiver dropped (a store
+        round trip, ~0.1-0.2 ms: at most every _REAP_PROBE_S, since a worker loop reaps each turn)."""
         self._seal(wait=False)
-        self._check_dropped()
+        now = time.monotonic()
+        if now - self._probed >= _REAP_PROBE_S:
+            self._probed = now
+            self._check_dropped()
         while self._pending and self._group is not None:
             out = self._pending[0]
             if not self._group.done(out.work):
