@@ -3,7 +3,8 @@
 #   GPU tests of the transfer path, the NCCL connector check (64 x 168 MB in flight, bit-exact),
 #   `pd-ssm bench transfer` (NCCL between cuda:0 and cuda:1, layer-wise streaming of a 2.7B-shaped
 #   prefill over ZMQ, ZMQ against a raw socket), and `pd-ssm serve --disagg` on both GPUs over NCCL
-#   (benchmarks/disagg_gpu.sh: every answer equal to a colocated engine's).
+#   (benchmarks/disagg_gpu.sh: every answer equal to a colocated engine's); the streamed prefill's
+#   cost split (profile_transfer_gpu.py stream) and the NCCL per-step split (nccl_overhead_gpu.py).
 # Results: $OUT/results.tgz (every log and JSON); a summary on stdout.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -21,7 +22,11 @@ timeout 200 python3 -m pd_ssm.cli bench transfer --device cuda --connectors nccl
   --json "$R/transfer_nccl.json" > "$R/transfer_nccl.txt" 2>&1; echo "transfer rc $?" >> "$R/transfer_nccl.txt"
 timeout 150 python3 -m pd_ssm.cli bench transfer --connectors zmq --repeats 5 \
   --json "$R/transfer_zmq.json" > "$R/transfer_zmq.txt" 2>&1; echo "zmq rc $?" >> "$R/transfer_zmq.txt"
+OUT=$R timeout 150 python3 benchmarks/profile_transfer_gpu.py stream > "$R/stream_profile.txt" 2>&1
+echo "stream profile rc $?" >> "$R/stream_profile.txt"
+OUT=$R timeout 120 python3 benchmarks/nccl_overhead_gpu.py > "$R/nccl_overhead.txt" 2>&1
+echo "nccl overhead rc $?" >> "$R/nccl_overhead.txt"
 OUT=$R/disagg timeout 300 bash benchmarks/disagg_gpu.sh > "$R/disagg.txt" 2>&1; echo "disagg rc $?" >> "$R/disagg.txt"
 
 tar czf "$OUT/results.tgz" -C "$R" .
-for f in tests nccl transfer_nccl transfer_zmq disagg; do echo "== $f"; tail -22 "$R/$f.txt"; done
+for f in tests nccl transfer_nccl transfer_zmq stream_profile disagg; do echo "== $f"; grep -v "Warning\|return func\|warn(" "$R/$f.txt" | tail -16; done
