@@ -30,6 +30,7 @@ freed memory (`ZmqConfig.malloc_retain_bytes`; None leaves malloc alone).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import time
 from collections import deque
@@ -66,6 +67,10 @@ class ZmqConfig:
     # a whole request leaves in messages of about this many payload bytes, so the receiver checks
     # one while the next is on the wire and the sender checksums the next while ZMQ sends one
     message_bytes: int = 32 << 20
+    # ... except its first and last messages: the wire waits for the first one's checksums and the
+    # receiver checks the last one after the wire is done, so sizes ramp up from this (doubling)
+    # and down to it at the end (_message_sizes)
+    edge_message_bytes: int = 2 << 20
     # frames checksummed in parallel on each side (numpy's sums drop the GIL): ~7 GB/s a core
     checksum_threads: int = field(default_factory=lambda: min(8, os.cpu_count() or 1))
     # a receiver makes glibc keep up to this many freed bytes for reuse (process-wide, see the
@@ -75,11 +80,12 @@ class ZmqConfig:
     def __post_init__(self) -> None:
         if not self.token:
             raise ValueError("ZmqConfig.token is empty: peers authenticate with the shared cluster token")
-        positive = (self.send_timeout, self.sndhwm, self.rcvhwm, self.message_bytes, self.checksum_threads)
+        positive = (self.send_timeout, self.sndhwm, self.rcvhwm, self.message_bytes, self.edge_message_bytes,
+                    self.checksum_threads)
         retain = self.malloc_retain_bytes
         if min(positive) <= 0 or self.linger_ms < 0 or (retain is not None and not 0 < retain < 1 << 31):
             raise ValueError(
-                "ZmqConfig: send_timeout, sndhwm, rcvhwm, message_bytes, checksum_threads must be > 0, "
+                "ZmqConfig: send_timeout, sndhwm, rcvhwm, message_bytes, edge_message_bytes, checksum_threads must be > 0, "
                 f"linger_ms >= 0 and malloc_retain_bytes None or in (0, 2**31) (mallopt takes an int): {self}"
             )
 
@@ -158,7 +164,10 @@ class ZmqConnector(StreamingConnector):
         stream = self._stream(ticket)
         if stream.final:
             raise ValueError(f"{ticket.req_id!r} was sent already (its final send came twice)")
-        *early, host = _groups(_to_host(list(pages.layers.values())), self.config.message_bytes)
+        host_layers = _to_host(list(pages.layers.values()))
+        sizes = _message_sizes(sum(p.nbytes() for p in host_layers), self.config.edge_message_bytes,
+                               self.config.message_bytes)
+        *early, host = _groups(host_layers, sizes)
         for group in early:
             self._enqueue(pages.req_id, stream, self._encode(pages.req_id, group), group)
         paged = self._encode(pages.req_id, host)
@@ -438,16 +447,36 @@ def _frame(part: bytes | memoryview) -> zmq.Frame:
     return zmq.Frame(part, copy=False, track=True)
 
 
-def _groups(layers: list[LayerPages], nbytes: int) -> list[list[LayerPages]]:
-    """Consecutive layers in groups of at least `nbytes` (the last may be smaller, or empty)."""
+def _message_sizes(total: int, edge: int, most: int) -> list[int]:
+    """Payload bytes per message of a `total`-byte request: `edge` doubling up to `most` from the
+    front, and the mirror image towards the end (e.g. 2, 4, 8, 16, 32, ..., 32, 16, 8, 4, 2 MB), so
+    little waits for checksums before the wire starts or after it ends. Sums to `total`."""
+    edge = min(edge, most)
+    front: list[int] = []
+    back: list[int] = []
+    size, rest = edge, total
+    while rest > 2 * size:
+        front.append(size)
+        back.append(size)
+        rest -= 2 * size
+        size = min(2 * size, most)
+    middle = [rest] if rest <= most else [rest - rest // 2, rest // 2]
+    return front + middle + back[::-1]
+
+
+def _groups(layers: list[LayerPages], sizes: list[int]) -> list[list[LayerPages]]:
+    """Consecutive layers cut where their running bytes first reach each running total of `sizes`
+    (layers are not split: every group holds at least one, unless there are none)."""
     groups: list[list[LayerPages]] = [[]]
-    size = 0
+    cuts = iter(itertools.accumulate(sizes))
+    cut, done = next(cuts, 0), 0
     for page in layers:
-        if size >= nbytes:
+        if groups[-1] and done >= cut:
             groups.append([])
-            size = 0
+            while done >= cut:  # a layer larger than a message spans its cut and maybe the next
+                cut = next(cuts, 1 << 62)
         groups[-1].append(page)
-        size += page.nbytes()
+        done += page.nbytes()
     return groups
 
 

@@ -16,7 +16,7 @@ from pd_ssm.cache.pages import LayerPages, RequestState, StatePages
 from pd_ssm.state_transfer.base import Ticket
 from pd_ssm.state_transfer.reservations import ReservationTable
 from pd_ssm.state_transfer.wire import pages_to_frames
-from pd_ssm.state_transfer.zmq_connector import ZmqConfig, ZmqConnector
+from pd_ssm.state_transfer.zmq_connector import ZmqConfig, ZmqConnector, _groups, _message_sizes
 
 TOKEN = "cluster-secret"
 
@@ -336,3 +336,23 @@ def test_many_messages_and_checksum_threads_round_trip(threads: int) -> None:
             assert_same(pages, got)
             assert tx.flush(2.0)
             assert pages.req_id in tx.get_finished()[0]
+
+
+def test_message_sizes_ramp_up_and_down_and_cover_the_request() -> None:
+    """The first and last messages are small (checksummed before / after the wire), the middle
+    ones at most `most`; the sizes add up to the request."""
+    mb = 1 << 20
+    sizes = _message_sizes(86 * mb, 2 * mb, 32 * mb)
+    assert sum(sizes) == 86 * mb and sizes[0] == sizes[-1] == 2 * mb and max(sizes) <= 32 * mb
+    assert sizes[:4] == [2 * mb, 4 * mb, 8 * mb, 16 * mb] and sizes[-4:] == [16 * mb, 8 * mb, 4 * mb, 2 * mb]
+    assert _message_sizes(3 * mb, 2 * mb, 32 * mb) == [3 * mb]  # too small to split
+    assert _message_sizes(5, 4, 1) == [1] * 5  # edge is capped by most
+    assert _message_sizes(0, 4, 8) == [0]
+
+
+def test_groups_cut_layers_at_the_message_sizes() -> None:
+    layers = [LayerPages(i, "ssm", {"ssm": torch.zeros(n, dtype=torch.uint8)}) for i, n in enumerate([3, 1, 1, 6, 1, 2])]
+    groups = _groups(layers, [2, 4, 6, 2])  # cuts at 2, 6, 12, 14 bytes; a group starts past each
+    assert [[p.layer_idx for p in g] for g in groups] == [[0], [1, 2, 3], [4], [5]]
+    assert [[p.layer_idx for p in g] for g in _groups(layers, [1] * 14)] == [[i] for i in range(6)]
+    assert _groups([], [0]) == [[]]
