@@ -33,6 +33,7 @@ import numpy as np
 BLOCK = 4096  # bytes
 _WORDS = BLOCK // 4
 _LANES = BLOCK // 8
+_PAD_BELOW = 256 << 10  # bytes: a smaller payload with a partial block is summed from a padded copy
 
 Buffer = bytes | bytearray | memoryview
 _Item = TypeVar("_Item")
@@ -76,16 +77,31 @@ def _block_sums(b: _Blocks) -> np.ndarray:
     return sums
 
 
-def _wire_sums(b: _Blocks) -> tuple[np.ndarray, np.ndarray]:
+def _wire_sums(buf: Buffer | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """uint64 [blocks] wrapping sums of each block's 8-byte words, and uint64 [BLOCK // 8] lane sums
-    (per offset within a block, over every block); numpy's uint64 adds wrap mod 2**64, by design."""
-    words = b.full.view(np.uint64).reshape(-1, _LANES)  # [whole blocks, 512]
-    blocks = np.add.reduce(words, axis=1)
+    (per offset within a block, over every block); numpy's uint64 adds wrap mod 2**64, by design.
+
+    NOTE: a frame pays this per payload, and small ones are many (a conv page is 32 KB, 7.9
+    blocks): a payload below _PAD_BELOW is padded by one copy and summed in one pass, and the tail
+    of a larger one goes into preallocated sums -- each numpy call costs microseconds of GIL."""
+    raw = buf.reshape(-1).view(np.uint8) if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+    n = raw.nbytes
+    rest = n % BLOCK
+    if rest and n < _PAD_BELOW:
+        padded = np.zeros(n - rest + BLOCK, dtype=np.uint8)
+        padded[:n] = raw
+        raw, n, rest = padded, padded.nbytes, 0
+    nfull = n // BLOCK
+    words = raw[: nfull * BLOCK].view(np.uint64).reshape(nfull, _LANES)  # [whole blocks, 512]
+    blocks = np.empty(nfull + (rest > 0), dtype=np.uint64)
+    np.add.reduce(words, axis=1, out=blocks[:nfull])
     lanes = np.add.reduce(words, axis=0)  # zeros if no whole block
-    if b.tail is not None:
-        tail = b.tail.view(np.uint64)
-        blocks = np.append(blocks, tail.sum(dtype=np.uint64))
-        lanes += tail
+    if rest:
+        tail = np.zeros(BLOCK, dtype=np.uint8)
+        tail[:rest] = raw[nfull * BLOCK :]
+        tail_words = tail.view(np.uint64)
+        blocks[nfull] = np.add.reduce(tail_words)
+        lanes += tail_words
     return blocks, lanes
 
 
@@ -97,7 +113,7 @@ def sums_bytes(sums: np.ndarray) -> bytes:
 def payload_checksum(description: bytes, buf: Buffer | np.ndarray) -> int:
     """crc32 over `description` (the payload's identity: a header edited in transit fails too),
     then the little-endian block sums of `buf`, then its lane sums."""
-    blocks, lanes = _wire_sums(_split(buf))
+    blocks, lanes = _wire_sums(buf)
     crc = zlib.crc32(blocks.astype("<u8", copy=False).tobytes(), zlib.crc32(description))
     return zlib.crc32(lanes.astype("<u8", copy=False).tobytes(), crc)
 
