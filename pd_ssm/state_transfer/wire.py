@@ -325,7 +325,8 @@ def _check_request_body(body: dict[str, Any], req_id: str) -> None:
         raise FrameError(f"request body names {body['req_id']!r} but the header names {req_id!r}")
     for key in ("prompt_token_ids", "output_token_ids"):
         ids = _typed(body, key, list)
-        if not all(type(t) is int and t >= 0 for t in ids):
+        # NOTE: set(map(type)) and min run in C: a per-item generator cost ~0.2 ms for 2048 ids
+        if ids and (set(map(type, ids)) != {int} or min(ids) < 0):
             raise FrameError(f"request {req_id!r}: {key} must be a list of non-negative ints")
     for key in ("num_computed_tokens", "max_tokens"):
         _nonneg_int(body, key)
