@@ -63,6 +63,7 @@ class _Sealing:
     parts: list[bytes | memoryview]  # [token, control, request header, request payload]; the runs part last
     metas: list[dict[str, Any]]
     sums: PendingSums
+    empty_since: float | None  # a request with no bytes: sent once its metadata is out (its start)
 
 
 class NcclSender:
@@ -132,10 +133,9 @@ class NcclSender:
         control = Control("data", self._group.gen, pages.req_id, buf.numel()).encode()
         if buf.numel() and not self._isend(pages.req_id, buf, start):
             return
-        self._sealing.append(_Sealing(pages.req_id, [self._token, control, req_header, req_payload], metas, sums))
+        parts: list[bytes | memoryview] = [self._token, control, req_header, req_payload]
+        self._sealing.append(_Sealing(pages.req_id, parts, metas, sums, None if buf.numel() else start))
         self._seal(wait=False)
-        if buf.numel() == 0:
-            self.ledger.sent(TransferStats(pages.req_id, 0, time.monotonic() - start))
 
     def _seal(self, wait: bool) -> None:
         """Send the metadata of every sealing request whose sums are on the host, in order (all of
@@ -153,6 +153,8 @@ class NcclSender:
                 self.ledger.fail(head.req_id, why)
                 self.lose_peer(why)
                 return
+            if head.empty_since is not None:
+                self.ledger.sent(TransferStats(head.req_id, 0, time.monotonic() - head.empty_since))
 
     def _isend(self, req_id: str, buf: torch.Tensor, start: float) -> bool:
         assert self._group is not None
@@ -188,7 +190,9 @@ class NcclSender:
 
     def abort(self, req_id: str) -> None:
         """Tell the receiver to release the reservation of `req_id` now rather than at its expiry.
-        Best effort (never blocks): a send already posted has its bytes on the stream regardless."""
+        Best effort: a send already posted has its bytes on the stream regardless, and its metadata
+        goes out first (waiting for its sums, if it is still sealing) so the receiver reads them in
+        order; the abort itself never blocks."""
         if self._push is None or self._group is None:
             return
         self._seal(wait=True)  # its metadata first, if it is still sealing: the side channel keeps order

@@ -156,6 +156,25 @@ def test_round_trip_bit_exact_fp32_and_bf16() -> None:
     assert len(table) == 0
 
 
+def _send_empty_then_full(tx: NcclConnector) -> None:
+    empty = make_pages("empty", torch.float32, 3)
+    empty.layers = {}  # a request with no cache pages: metadata only, no p2p bytes
+    tx.send(empty, ticket(tx, "empty"))
+    tx.send(make_pages("full", torch.bfloat16, 4), ticket(tx, "full"))
+    assert tx.flush(15.0)
+    assert tx.get_finished()[0] == {"empty", "full"} and tx.get_failed() == {}
+
+
+def test_a_request_without_pages_is_sent_and_reported_in_order() -> None:
+    table = ReservationTable(ttl=60.0, token=TOKEN)
+    reserve(table, "empty", "full")
+    with pair(table, _send_empty_then_full) as rx:
+        got, failed = collect(rx, 2)
+        assert failed == {} and got["empty"].layers == {} and got["empty"].request.req_id == "empty"
+        assert_same(make_pages("full", torch.bfloat16, 4), got["full"])
+    assert len(table) == 0
+
+
 IN_FLIGHT = 64
 
 
