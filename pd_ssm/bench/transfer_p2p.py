@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pd_ssm.bench.transfer import TOKEN, PageShape, make_pages, renamed
+from pd_ssm.bench.transfer import TOKEN, PageShape, check_same, make_pages, renamed
 from pd_ssm.cache.pages import PageRun, StatePages
 
 
@@ -159,19 +159,13 @@ def _receive(kind: str, dtype: str, shape: PageShape, device: str, repeats: int,
             got = [rx.recv(timeout=timeout) for _ in ids]
             _sync(dev)
             runs.append(time.perf_counter() - t0)
-            if any(g is None for g in got):
+            first = got[0]
+            if first is None or any(g is None for g in got):
                 raise RuntimeError(f"nccl bench: run {i} of {n}: a request did not arrive: {rx.get_failed()}")
             if i == 0:
-                _check_same(expect, got[0])
+                check_same(expect, first)
         times[key] = runs[1:]
     dist.barrier()
     rx.close()
     dist.destroy_process_group()
     return nbytes, times
-
-
-def _check_same(expect: Any, got: Any) -> None:
-    for idx, page in expect.layers.items():
-        for name, t in page.tensors.items():
-            if not torch.equal(t.view(torch.uint8), got.layers[idx].tensors[name].cpu().view(torch.uint8)):
-                raise RuntimeError(f"nccl bench: layer {idx} {name!r} arrived different")
