@@ -117,9 +117,11 @@ class NcclConnector(Connector):
 
     @property
     def in_flight(self) -> int:
-        """Sender: p2p sends posted and not completed (each holds a buffer); receiver: always 0
-        (a receive completes or fails inside `recv`)."""
-        return self._tx.in_flight if self._tx is not None else 0
+        """Sender: p2p sends posted and not completed (each holds a buffer); receiver: recvs posted
+        ahead (`recv_window`) whose requests `recv` has not handed out yet."""
+        if self._tx is not None:
+            return self._tx.in_flight
+        return self._rx.in_flight if self._rx is not None else 0
 
     # ------------------------------------------------------------------------------- send
 

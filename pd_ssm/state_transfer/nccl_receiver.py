@@ -106,6 +106,11 @@ class NcclReceiver:
             if item is not None:
                 self._queue.append(item)
 
+    @property
+    def in_flight(self) -> int:
+        """Data messages read whose recv is posted and not yet completed."""
+        return sum(1 for i in self._queue if i.work is not None)
+
     def _posted_bytes(self) -> int:
         return sum(i.buf.numel() for i in self._queue if i.buf is not None and i.work is not None)
 

@@ -211,6 +211,7 @@ def test_64_requests_in_flight_arrive_exact_and_nothing_leaks(window: str, monke
         table.reserve(f"m{i}", "unused", slot)
     with pair(table, _send_many, recv_window=1 << 30 if window == "default" else 1) as rx:
         got, failed = collect(rx, IN_FLIGHT)
+        assert rx.in_flight == 0  # every posted recv was handed out
         if window == "default":
             assert max(posted) > 4 * one, posted  # several requests on the link at once
         else:
