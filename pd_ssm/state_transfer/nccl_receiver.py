@@ -134,7 +134,16 @@ class NcclReceiver:
         if self._group is None or control.gen != self._group.gen:
             item.lost = f"sent on pairing generation {control.gen}, which is gone (its sender died or was replaced)"
             return item
-        item.buf = torch.empty(control.nbytes, dtype=torch.uint8, device=self.device)
+        try:
+            if control.nbytes > self.config.max_message_bytes:
+                raise RuntimeError(f"{control.nbytes} bytes exceed max_message_bytes {self.config.max_message_bytes}")
+            item.buf = torch.empty(control.nbytes, dtype=torch.uint8, device=self.device)
+        except RuntimeError as e:  # torch.OutOfMemoryError is one too
+            # NOTE: bytes we cannot take would misalign the stream: the pairing goes (the sender
+            # re-pairs); a forged message never gets to allocate more than the cap
+            self.lose_peer(f"cannot take a {control.nbytes}-byte message: {e}")
+            item.lost = f"its {control.nbytes} bytes could not be received here: {str(e).splitlines()[0][:200]}"
+            return item
         if control.nbytes:
             try:
                 item.work = self._group.irecv(item.buf)

@@ -19,6 +19,7 @@ from tests.state_transfer.test_nccl_connector import (
     make_pages,
     receiver,
     reserve,
+    run_sender,
     spawned,
     ticket,
 )
@@ -85,3 +86,47 @@ def test_sender_without_receiver_fails_loudly_and_quickly() -> None:
     with pytest.raises(RuntimeError, match="pairing with the receiver"):
         NcclConnector(NcclConfig(TOKEN, f"tcp://127.0.0.1:{free_port()}", timeout=1.0))
     assert time.monotonic() - t0 < 5.0
+
+
+def _good_after_the_pairing_broke(tx: NcclConnector) -> None:
+    time.sleep(1.0)  # the receiver meanwhile reads the oversized message and drops our pairing
+    end = time.monotonic() + 10.0
+    while tx.paired and time.monotonic() < end:
+        tx.get_failed()  # reaps: the store says the pairing was dropped
+        time.sleep(0.05)
+    assert not tx.paired
+    tx.send(make_pages("good", torch.bfloat16, 2), ticket(tx, "good"))  # pairs again first
+
+
+def test_a_message_too_large_to_take_drops_the_pairing_not_the_receiver() -> None:
+    """A data message of the live generation asking for more than max_message_bytes (a forged or
+    broken sender): nothing is allocated for it, the pairing goes (its bytes could not be taken
+    and the stream would misalign), and the sender's next request goes through a new pairing."""
+    import zmq
+
+    from pd_ssm.state_transfer.nccl_message import Control
+
+    table = ReservationTable(ttl=60.0, token=TOKEN)
+    reserve(table, "good")
+    rx = NcclConnector(NcclConfig(TOKEN, "tcp://127.0.0.1:0", timeout=15.0, max_message_bytes=1 << 20),
+                       bind="tcp://127.0.0.1:0", reservations=table)
+    with rx, spawned(run_sender, rx.rendezvous, _good_after_the_pairing_broke):
+        end = time.monotonic() + 15.0
+        while not rx.paired and time.monotonic() < end:
+            assert rx.recv(timeout=0.05) is None
+        gen = rx._rx._gen  # type: ignore[union-attr]
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(rx.address or "")
+        push.send_multipart([b"forged", Control("data", gen, "huge", 1 << 40).encode()])
+        got = None
+        failed: dict[str, str] = {}
+        while got is None and time.monotonic() < end + 15.0:
+            got = rx.recv(timeout=0.1)
+            failed.update(rx.get_failed())
+        push.close(linger=0)
+        ctx.term()
+        assert got is not None and got.req_id == "good"
+        assert_same(make_pages("good", torch.bfloat16, 2), got)
+        assert any("unauthenticated" in k for k in failed), failed
+    assert len(table) == 0
