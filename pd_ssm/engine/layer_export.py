@@ -11,10 +11,10 @@ GPU ordering: the kernels are queued ahead of the device, so at hook time layer 
 *launched*, not run. The hook records an event on the compute stream; a side stream waits for it
 and copies the pages into pinned host staging (so the copy runs on a copy engine beside the next
 layers' compute). A snapshot goes to the sink only once its copy has completed (event query, at
-later hooks). The hook never waits for the device by default: an eager prefill is host-bound, so
-a host kept within a few layers of the device (`lag`) left the GPU idle between layers and made
-the streamed forward ~2-3x slower (RESULTS.md); the device keeps up with the host anyway, so
-earlier layers' copies complete while later layers are being launched. `finish` and `cancel`
+later hooks). The hook never waits for the device: an eager prefill is host-bound, so a host held
+within 2 layers of the device left the GPU idle between layers (the streamed forward measured
+~2-3x slower, RESULTS.md); the device keeps up with the host anyway, so earlier layers' copies
+complete while later layers are being launched. `finish` and `cancel`
 wait for every copy of the step, so by the time the engine frees the slot no copy still reads it
 and no later step can overwrite it under one.
 
@@ -74,16 +74,11 @@ class _Staged:
 
 
 class LayerExporter:
-    def __init__(
-        self, pool: CachePool, cache: CacheManager, sink: PageSink, per_layer: bool = True, lag: int | None = None
-    ) -> None:
-        if lag is not None and lag < 1:
-            raise ValueError(f"LayerExporter lag must be >= 1 cache layers (or None: never wait), got {lag}")
+    def __init__(self, pool: CachePool, cache: CacheManager, sink: PageSink, per_layer: bool = True) -> None:
         self.pool = pool
         self.cache = cache
         self.sink = sink
         self.per_layer = per_layer
-        self.lag = lag  # None: the forward never waits for a copy (see the module docstring)
         self.cache_layers = frozenset(pool.ssm_index) | frozenset(pool.attn_index)
         self.side = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
         self._targets: list[_Target] = []
@@ -126,7 +121,7 @@ class LayerExporter:
                 staged.append((t.req_id, LayerPages(layer_idx, kind, host)))
             done = self.side.record_event()
         self._staged.append(_Staged(done, staged))
-        self._hand_over(wait_beyond=self.lag)
+        self._hand_over(wait=False)
 
     def finish(self, request: RequestState) -> None:
         """The request's first token is sampled: its remaining layers, then its state, to the sink."""
@@ -135,23 +130,23 @@ class LayerExporter:
             table = list(self.cache.block_table(req_id)) if self.cache.uses_kv else []
             self.sink.finish_pages(export_pages(self.pool, request, self.cache.slot(req_id), table))
             return
-        self._hand_over(wait_beyond=0)
+        self._hand_over(wait=True)
         self._targets = [t for t in self._targets if t.req_id != request.req_id]
         self.sink.finish(request)
 
     def cancel(self, req_id: str) -> None:
         """Drop a request (finished at its first token, aborted); waits for its copies first."""
-        self._hand_over(wait_beyond=0, skip=req_id)
+        self._hand_over(wait=True, skip=req_id)
         self._targets = [t for t in self._targets if t.req_id != req_id]
         self.sink.cancel(req_id)
 
-    def _hand_over(self, wait_beyond: int | None, skip: str | None = None) -> None:
-        """Give the sink every completed snapshot, in order; wait for the oldest ones while more
-        than `wait_beyond` are outstanding (None: never wait)."""
+    def _hand_over(self, wait: bool, skip: str | None = None) -> None:
+        """Give the sink every completed snapshot, in order (with `wait`, every snapshot, waiting
+        for its copies)."""
         ready: dict[str, list[LayerPages]] = {}  # NOTE: one hand-over per request, not per layer
         while self._staged:
             head = self._staged[0]
-            if wait_beyond is not None and len(self._staged) > wait_beyond:
+            if wait:
                 head.done.synchronize()
             elif not head.done.query():
                 break
