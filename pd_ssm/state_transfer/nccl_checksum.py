@@ -40,55 +40,47 @@ def align(n: int) -> int:
     return -(-n // BLOCK) * BLOCK
 
 
-def _check(buf: torch.Tensor) -> None:
-    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() % BLOCK:
-        raise ValueError(
-            f"block_sums needs a 1-D uint8 buffer whose length is a multiple of {BLOCK}, "
-            f"got {buf.dtype} {tuple(buf.shape)}"
-        )
-
-
 def block_sums(buf: torch.Tensor) -> bytes:
     """Per-block sums of `buf`'s int32 words, as little-endian int64 bytes on the host.
 
     buf: uint8 [n], n a multiple of BLOCK, on any device (one reduction kernel, one small copy)."""
-    _check(buf)
-    if buf.numel() == 0:
-        return b""
-    if buf.device.type == "cpu":
-        # numpy's integer reduction is ~10x faster than torch's on CPU; the sums are the same integers
-        small = checksum.host_block_sums(buf.numpy())
-        return sums_bytes(small.reshape(-1, _PER_BLOCK).sum(axis=1))
-    from pd_ssm.state_transfer.block_sums_triton import block_sums_triton
-
-    return sums_bytes(block_sums_triton(buf).cpu().numpy())  # one kernel, 8 B per block to the host
+    return PendingSums(buf).wait()
 
 
 class PendingSums:
-    """Block sums on their way to the host: queued on the device's current stream behind whatever
-    wrote the buffer, copied into pinned memory without blocking the host (a sender must not stall
-    on its own pack kernel while the link could take the previous request)."""
+    """Block sums on their way to the host. On CUDA: one kernel queued on the device's current
+    stream behind whatever wrote the buffer, copied into pinned memory without blocking the host
+    (a sender must not stall on its own pack kernel while the link could take the previous
+    request). On the CPU they are computed at once (numpy's integer reduction is ~10x torch's
+    there; the same integers)."""
 
     def __init__(self, buf: torch.Tensor) -> None:
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() % BLOCK:
+            raise ValueError(
+                f"block_sums needs a 1-D uint8 buffer whose length is a multiple of {BLOCK}, "
+                f"got {buf.dtype} {tuple(buf.shape)}"
+            )
         self._bytes: bytes | None = None
         self._host: torch.Tensor | None = None
         self._done: torch.cuda.Event | None = None
-        if buf.device.type == "cpu" or buf.numel() == 0:
-            self._bytes = block_sums(buf)
-            return
-        from pd_ssm.state_transfer.block_sums_triton import block_sums_triton
+        if buf.numel() == 0:
+            self._bytes = b""
+        elif buf.device.type == "cpu":
+            small = checksum.host_block_sums(buf.numpy())
+            self._bytes = sums_bytes(small.reshape(-1, _PER_BLOCK).sum(axis=1))
+        else:
+            from pd_ssm.state_transfer.block_sums_triton import block_sums_triton
 
-        _check(buf)
-        sums = block_sums_triton(buf)
-        self._host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
-        self._host.copy_(sums, non_blocking=True)
-        self._done = torch.cuda.current_stream(buf.device).record_event()
+            sums = block_sums_triton(buf)
+            self._host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+            self._host.copy_(sums, non_blocking=True)
+            self._done = torch.cuda.current_stream(buf.device).record_event()
 
     def ready(self) -> bool:
         return self._bytes is not None or (self._done is not None and self._done.query())
 
     def wait(self) -> bytes:
-        """The sums as block_sums returns them (blocks until the device produced them)."""
+        """The sums as little-endian int64 bytes (blocks until the device produced them)."""
         if self._bytes is None:
             assert self._done is not None and self._host is not None
             self._done.synchronize()
