@@ -208,7 +208,7 @@ def import_pages(pool: CachePool, pages: StatePages, slot: int, block_table: lis
         if page.kind != ("ssm" if page.layer_idx in pool.ssm_index else "attention"):
             raise ValueError(f"layer {page.layer_idx}: a {page.kind!r} page, but this pool holds the other kind there")
     if pool.ssm_index:
-        ssm_layers = sorted(pool.ssm_index, key=pool.ssm_index.__getitem__)  # pool order
+        ssm_layers = sorted(pool.ssm_index)  # pool order (ascending, as export_pages)
         for name, like in (("conv", pool.conv_state[0, slot]), ("ssm", pool.ssm_state[0, slot])):
             for layer_idx in ssm_layers:
                 _check(pages.layers[layer_idx], name, like)

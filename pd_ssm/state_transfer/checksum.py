@@ -49,8 +49,13 @@ class _Blocks(NamedTuple):
     tail: np.ndarray | None  # uint8 [BLOCK]: the partial last block, zero-padded (a copy); None if none
 
 
+def _raw(buf: Buffer | np.ndarray) -> np.ndarray:
+    """The payload's bytes as a flat uint8 array (a view, no copy)."""
+    return buf.reshape(-1).view(np.uint8) if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+
+
 def _split(buf: Buffer | np.ndarray) -> _Blocks:
-    raw = buf.reshape(-1).view(np.uint8) if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+    raw = _raw(buf)
     full = raw.nbytes - raw.nbytes % BLOCK
     if full == raw.nbytes:
         return _Blocks(raw, None)
@@ -84,7 +89,7 @@ def _wire_sums(buf: Buffer | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     NOTE: a frame pays this per payload, and small ones are many (a conv page is 32 KB, 7.9
     blocks): a payload below _PAD_BELOW is padded by one copy and summed in one pass, and the tail
     of a larger one goes into preallocated sums -- each numpy call costs microseconds of GIL."""
-    raw = buf.reshape(-1).view(np.uint8) if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+    raw = _raw(buf)
     n = raw.nbytes
     rest = n % BLOCK
     if rest and n < _PAD_BELOW:

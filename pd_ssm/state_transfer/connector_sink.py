@@ -5,9 +5,9 @@ state after the first token -- or, for a connector that takes whole requests (`s
 the whole request at once after the forward (`finish_pages`: pages as export_pages makes them,
 runs and all, so the NCCL connector sends them without per-layer work). The sink routes them to
 the request's Ticket: a StreamingConnector gets each piece at once (`send_layers`), any other
-connector the whole request in the final `send`. The ticket may come later than the first layers (the prefill side starts computing before
-the decode side answered); layers wait here until it does, and a request finished before its
-ticket came is sent when the ticket arrives.
+connector the whole request in the final `send`. The ticket may come later than the first
+layers (the prefill side starts computing before the decode side answered); layers wait here
+until it does, and a request finished before its ticket came is sent when the ticket arrives.
 
 A ticket that expired before a piece could leave fails the request here (`take_failed`) and
 aborts it on the connector: no exception reaches the engine's step loop.
