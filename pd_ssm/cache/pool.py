@@ -50,6 +50,10 @@ class CachePool:
                     model.num_kv_heads, model.attn_head_dim)
         self.k_cache = torch.zeros(kv_shape, dtype=state_dtype, device=self.device)
         self.v_cache = torch.zeros(kv_shape, dtype=state_dtype, device=self.device)
+        # NOTE: not cache: per-row counters the fused decode kernel (kernels/mixer_decode_triton.py)
+        # elects one program with; all zero between launches. A decode batch never has more rows
+        # than the pool has slots
+        self.arrivals = torch.zeros(max(self.num_slots, 1), dtype=torch.int32, device=self.device)
 
     # per-layer views handed to the layers
     def conv(self, layer_idx: int) -> torch.Tensor:

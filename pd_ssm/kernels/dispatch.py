@@ -28,7 +28,15 @@ from pd_ssm.kernels.attention import (
 )
 from pd_ssm.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from pd_ssm.kernels.linear import linear_ref
-from pd_ssm.kernels.rmsnorm import AddNormOutput, add_rms_norm_ref, rms_norm_gated_ref, rms_norm_ref
+from pd_ssm.kernels.mixer_decode import mamba2_decode_step_ref
+from pd_ssm.kernels.rmsnorm import (
+    AddNormOutput,
+    GatedSquares,
+    add_rms_norm_ref,
+    rms_norm_gated_ref,
+    rms_norm_gated_squares_ref,
+    rms_norm_ref,
+)
 from pd_ssm.kernels.ssd import ScanOutput, mamba_chunk_scan_varlen_ref
 from pd_ssm.kernels.ssu import selective_state_update_ref
 
@@ -50,6 +58,8 @@ class Kernels:
     selective_state_update: Callable[..., Tensor]
     rms_norm: Callable[..., Tensor]
     rms_norm_gated: Callable[..., Tensor]
+    rms_norm_gated_squares: Callable[..., GatedSquares]
+    mamba2_decode_step: Callable[..., GatedSquares]
     add_rms_norm: Callable[..., AddNormOutput]
     write_kv_cache: Callable[..., None]
     varlen_prefill_attention: Callable[..., Tensor]
@@ -66,6 +76,8 @@ _TORCH_KERNELS: Mapping[str, Callable[..., Any]] = MappingProxyType({
     "selective_state_update": selective_state_update_ref,
     "rms_norm": rms_norm_ref,
     "rms_norm_gated": rms_norm_gated_ref,
+    "rms_norm_gated_squares": rms_norm_gated_squares_ref,
+    "mamba2_decode_step": mamba2_decode_step_ref,
     "add_rms_norm": add_rms_norm_ref,
     "write_kv_cache": write_kv_cache_ref,
     "varlen_prefill_attention": varlen_prefill_attention_ref,
@@ -81,7 +93,13 @@ def _triton_kernels() -> dict[str, Callable[..., Any]]:
         write_kv_cache_triton,
     )
     from pd_ssm.kernels.conv1d_triton import causal_conv1d_update_triton, causal_conv1d_varlen_triton
-    from pd_ssm.kernels.rmsnorm_triton import add_rms_norm_triton, rms_norm_gated_triton, rms_norm_triton
+    from pd_ssm.kernels.mixer_decode_triton import mamba2_decode_step_triton
+    from pd_ssm.kernels.rmsnorm_triton import (
+        add_rms_norm_triton,
+        rms_norm_gated_squares_triton,
+        rms_norm_gated_triton,
+        rms_norm_triton,
+    )
     from pd_ssm.kernels.skinny_linear_triton import linear_triton
     from pd_ssm.kernels.ssd_triton import mamba_chunk_scan_varlen_triton
     from pd_ssm.kernels.ssu_triton import selective_state_update_triton
@@ -93,6 +111,8 @@ def _triton_kernels() -> dict[str, Callable[..., Any]]:
         "selective_state_update": selective_state_update_triton,
         "rms_norm": rms_norm_triton,
         "rms_norm_gated": rms_norm_gated_triton,
+        "rms_norm_gated_squares": rms_norm_gated_squares_triton,
+        "mamba2_decode_step": mamba2_decode_step_triton,
         "add_rms_norm": add_rms_norm_triton,
         "write_kv_cache": write_kv_cache_triton,
         "varlen_prefill_attention": varlen_prefill_attention_triton,
@@ -153,6 +173,8 @@ causal_conv1d_update = _routed("causal_conv1d_update", causal_conv1d_update_ref)
 selective_state_update = _routed("selective_state_update", selective_state_update_ref)
 rms_norm = _routed("rms_norm", rms_norm_ref)
 rms_norm_gated = _routed("rms_norm_gated", rms_norm_gated_ref)
+rms_norm_gated_squares = _routed("rms_norm_gated_squares", rms_norm_gated_squares_ref)
+mamba2_decode_step = _routed("mamba2_decode_step", mamba2_decode_step_ref)
 add_rms_norm = _routed("add_rms_norm", add_rms_norm_ref)
 write_kv_cache = _routed("write_kv_cache", write_kv_cache_ref)
 varlen_prefill_attention = _routed("varlen_prefill_attention", varlen_prefill_attention_ref)

@@ -25,9 +25,12 @@ from pd_ssm.kernels._checks import (
 )
 from pd_ssm.kernels.rmsnorm import (
     AddNormOutput,
+    GatedSquares,
+    RowRms,
     _check_add_norm_args,
     _check_gated_norm_args,
     _check_norm_args,
+    _check_x_rms,
 )
 
 # NOTE: a group up to this many features is held in registers (one read of x); longer groups take
@@ -64,14 +67,16 @@ def _scale_store(h, r, w_ptr, out_row, offs, ok, WEIGHT_FP32: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(
     # pointers
-    x_ptr, gate_ptr, w_ptr, out_ptr,
+    x_ptr, gate_ptr, w_ptr, out_ptr, sq_ptr,
     # dimensions
     group_size, eps,
     # strides
     stride_x_t, stride_g_t, stride_out_t,
     # meta-parameters
-    GATED: tl.constexpr, WEIGHT_FP32: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    GATED: tl.constexpr, WEIGHT_FP32: tl.constexpr, DEFER: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
 ):
+    # DEFER (one group per row): store the sum of squares to sq[row] and leave the scale out (r = 1)
     row = tl.program_id(0).to(tl.int64)
     base = tl.program_id(1) * group_size  # first feature of this group
     x_row = x_ptr + row * stride_x_t + base
@@ -82,7 +87,12 @@ def _rms_norm_kernel(
     if NUM_CHUNKS == 1:
         ok = offs < group_size
         h = _load_h(x_row, g_row, offs, ok, GATED)
-        r = 1.0 / tl.sqrt_rn(tl.sum(h * h, axis=0) / group_size + eps)
+        ss = tl.sum(h * h, axis=0)
+        if DEFER:
+            tl.store(sq_ptr + row, ss)
+            r = 1.0
+        else:
+            r = 1.0 / tl.sqrt_rn(ss / group_size + eps)
         _scale_store(h, r, w_grp, out_row, offs, ok, WEIGHT_FP32)
     else:
         acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -90,7 +100,12 @@ def _rms_norm_kernel(
             ok = c * BLOCK + offs < group_size
             h = _load_h(x_row, g_row, c * BLOCK + offs, ok, GATED)
             acc += h * h
-        r = 1.0 / tl.sqrt_rn(tl.sum(acc, axis=0) / group_size + eps)
+        ss = tl.sum(acc, axis=0)
+        if DEFER:
+            tl.store(sq_ptr + row, ss)
+            r = 1.0
+        else:
+            r = 1.0 / tl.sqrt_rn(ss / group_size + eps)
         for c in range(NUM_CHUNKS):
             ok = c * BLOCK + offs < group_size
             h = _load_h(x_row, g_row, c * BLOCK + offs, ok, GATED)
@@ -98,7 +113,8 @@ def _rms_norm_kernel(
 
 
 def _launch(x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, group_size: int,
-            weight_in_fp32: bool) -> Tensor:
+            weight_in_fp32: bool, sq: Tensor | None = None) -> Tensor:
+    """sq [T] fp32 given: the deferred form (one group per row, sums of squares to sq, no scale)."""
     T, d = x.shape
     out = torch.empty((T, d), dtype=x.dtype, device=x.device)  # [T, d]
     if T == 0:
@@ -106,10 +122,11 @@ def _launch(x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, group_si
     block = min(triton.next_power_of_2(group_size), MAX_BLOCK)
     with _on_device(x):
         _rms_norm_kernel[(T, d // group_size)](
-            x, x if gate is None else gate, weight.contiguous(), out,  # NOTE: x stands in for no gate, unread
+            # NOTE: x stands in for no gate and out for no sq, unread / unwritten
+            x, x if gate is None else gate, weight.contiguous(), out, out if sq is None else sq,
             group_size, float(eps),
             x.stride(0), x.stride(0) if gate is None else gate.stride(0), out.stride(0),
-            GATED=gate is not None, WEIGHT_FP32=weight_in_fp32, BLOCK=block,
+            GATED=gate is not None, WEIGHT_FP32=weight_in_fp32, DEFER=sq is not None, BLOCK=block,
             NUM_CHUNKS=triton.cdiv(group_size, block), num_warps=min(16, max(1, block // 512)),
         )
     return out
@@ -136,13 +153,38 @@ def rms_norm_gated_triton(x: Tensor, gate: Tensor, weight: Tensor, eps: float, g
     return _launch(x, gate, weight, eps, group_size, False)
 
 
+def rms_norm_gated_squares_triton(x: Tensor, gate: Tensor, weight: Tensor) -> GatedSquares:
+    """Triton `rms_norm_gated_squares_ref`: the gated norm over whole rows, scale deferred.
+
+    Shapes: x, gate [T, d] (stride 1 on the last axis); weight [d] in x.dtype. Returns g [T, d] in
+    x.dtype and sq [T, 1] fp32 (row sums of squares). One launch, no host sync.
+    """
+    _check_gated_norm_args(x, gate, weight, x.shape[1])
+    sq = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)  # [T, 1]
+    return GatedSquares(_launch(x, gate, weight, 0.0, x.shape[1], False, sq), sq)
+
+
 @triton.jit
-def _add_h(x_row, res_row, res_out_row, offs, ok, HAS_X: tl.constexpr, STORE_RES: tl.constexpr,
-           NORM_DTYPE: tl.constexpr):
+def _row_scale(sq_ptr, row, stride_sq_t, num_sq, width, eps, HAS_X_RMS: tl.constexpr, BLOCK_SQ: tl.constexpr):
+    """rsqrt(sum(sq[row, :num_sq]) / width + eps) in fp32 (RowRms.scale); 1 without x_rms."""
+    if HAS_X_RMS:
+        offs = tl.arange(0, BLOCK_SQ)
+        ss = tl.sum(tl.load(sq_ptr + row * stride_sq_t + offs, mask=offs < num_sq, other=0.0), axis=0)
+        return 1.0 / tl.sqrt_rn(ss / width + eps)
+    else:
+        return 1.0
+
+
+@triton.jit
+def _add_h(x_row, res_row, res_out_row, offs, ok, x_scale, HAS_X: tl.constexpr, HAS_X_RMS: tl.constexpr,
+           STORE_RES: tl.constexpr, NORM_DTYPE: tl.constexpr):
     """new_residual at offs (stored when STORE_RES), returned rounded to NORM_DTYPE, in fp32."""
     r = tl.load(res_row + offs, mask=ok, other=0.0).to(tl.float32)
     if HAS_X:
-        r = r + tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
+        xv = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
+        if HAS_X_RMS:
+            xv = xv * x_scale
+        r = r + xv
     r = r.to(res_out_row.dtype.element_ty)
     if STORE_RES:
         tl.store(res_out_row + offs, r, mask=ok)
@@ -152,13 +194,14 @@ def _add_h(x_row, res_row, res_out_row, offs, ok, HAS_X: tl.constexpr, STORE_RES
 @triton.jit
 def _add_rms_norm_kernel(
     # pointers
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, sq_ptr,
     # dimensions
-    d, eps,
+    d, eps, num_sq, sq_width, sq_eps,
     # strides
-    stride_x_t, stride_res_t, stride_out_t, stride_res_out_t,
+    stride_x_t, stride_res_t, stride_out_t, stride_res_out_t, stride_sq_t,
     # meta-parameters
-    HAS_X: tl.constexpr, WEIGHT_FP32: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    HAS_X: tl.constexpr, HAS_X_RMS: tl.constexpr, WEIGHT_FP32: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr, BLOCK_SQ: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x_t
@@ -166,35 +209,41 @@ def _add_rms_norm_kernel(
     out_row = out_ptr + row * stride_out_t
     res_out_row = res_out_ptr + row * stride_res_out_t
     norm_dtype = out_row.dtype.element_ty
+    x_scale = _row_scale(sq_ptr, row, stride_sq_t, num_sq, sq_width, sq_eps, HAS_X_RMS, BLOCK_SQ)
     offs = tl.arange(0, BLOCK)
     if NUM_CHUNKS == 1:
         ok = offs < d
-        h = _add_h(x_row, res_row, res_out_row, offs, ok, HAS_X, True, norm_dtype)
+        h = _add_h(x_row, res_row, res_out_row, offs, ok, x_scale, HAS_X, HAS_X_RMS, True, norm_dtype)
         r = 1.0 / tl.sqrt_rn(tl.sum(h * h, axis=0) / d + eps)
         _scale_store(h, r, w_ptr, out_row, offs, ok, WEIGHT_FP32)
     else:
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for c in range(NUM_CHUNKS):
             ok = c * BLOCK + offs < d
-            h = _add_h(x_row, res_row, res_out_row, c * BLOCK + offs, ok, HAS_X, True, norm_dtype)
+            h = _add_h(x_row, res_row, res_out_row, c * BLOCK + offs, ok, x_scale, HAS_X, HAS_X_RMS, True,
+                       norm_dtype)
             acc += h * h
         r = 1.0 / tl.sqrt_rn(tl.sum(acc, axis=0) / d + eps)
         for c in range(NUM_CHUNKS):
             ok = c * BLOCK + offs < d
             # NOTE: recomputed from the inputs (not re-read from res_out): no barrier needed
-            h = _add_h(x_row, res_row, res_out_row, c * BLOCK + offs, ok, HAS_X, False, norm_dtype)
+            h = _add_h(x_row, res_row, res_out_row, c * BLOCK + offs, ok, x_scale, HAS_X, HAS_X_RMS, False,
+                       norm_dtype)
             _scale_store(h, r, w_ptr, out_row, c * BLOCK + offs, ok, WEIGHT_FP32)
 
 
 def add_rms_norm_triton(x: Tensor | None, residual: Tensor, weight: Tensor, eps: float, *,
-                        residual_dtype: torch.dtype, weight_in_fp32: bool = False) -> AddNormOutput:
+                        residual_dtype: torch.dtype, weight_in_fp32: bool = False,
+                        x_rms: RowRms | None = None) -> AddNormOutput:
     """Triton `add_rms_norm_ref`: new_residual = residual + x, normed = rms_norm(new_residual).
 
     Shapes: x [T, d] (None before the first block) and residual [T, d], fp32/bf16/fp16 with stride
-    1 on the last axis; weight [d]. Returns (normed [T, d] in weight.dtype, new_residual [T, d] in
-    residual_dtype), both freshly allocated. One launch, no host sync.
+    1 on the last axis; weight [d]; x_rms.sq [T, K] fp32 (x scaled by x_rms.scale() first).
+    Returns (normed [T, d] in weight.dtype, new_residual [T, d] in residual_dtype), both freshly
+    allocated. One launch, no host sync.
     """
     _check_add_norm_args("add_rms_norm", x, residual, weight, residual_dtype)
+    _check_x_rms("add_rms_norm", x, residual, x_rms)
     T, d = residual.shape
     out = torch.empty((T, d), dtype=weight.dtype, device=residual.device)  # [T, d]
     res_out = torch.empty((T, d), dtype=residual_dtype, device=residual.device)  # [T, d]
@@ -203,11 +252,16 @@ def add_rms_norm_triton(x: Tensor | None, residual: Tensor, weight: Tensor, eps:
     block = min(triton.next_power_of_2(d), MAX_BLOCK)
     with _on_device(residual):
         _add_rms_norm_kernel[(T,)](
-            residual if x is None else x, residual, weight.contiguous(), out, res_out,  # NOTE: no x: unread
-            d, float(eps),
+            # NOTE: no x (no x_rms): residual (out) stands in, unread
+            residual if x is None else x, residual, weight.contiguous(), out, res_out,
+            out if x_rms is None else x_rms.sq,
+            d, float(eps), 1 if x_rms is None else x_rms.sq.shape[1],
+            1 if x_rms is None else x_rms.width, 0.0 if x_rms is None else float(x_rms.eps),
             residual.stride(0) if x is None else x.stride(0), residual.stride(0), out.stride(0),
-            res_out.stride(0),
-            HAS_X=x is not None, WEIGHT_FP32=weight_in_fp32, BLOCK=block,
-            NUM_CHUNKS=triton.cdiv(d, block), num_warps=min(16, max(1, block // 512)),
+            res_out.stride(0), 0 if x_rms is None else x_rms.sq.stride(0),
+            HAS_X=x is not None, HAS_X_RMS=x_rms is not None, WEIGHT_FP32=weight_in_fp32, BLOCK=block,
+            NUM_CHUNKS=triton.cdiv(d, block),
+            BLOCK_SQ=1 if x_rms is None else triton.next_power_of_2(x_rms.sq.shape[1]),
+            num_warps=min(16, max(1, block // 512)),
         )
     return AddNormOutput(out, res_out)

@@ -7,6 +7,11 @@ Per step, with the batch ordered decodes first then prefill chunks (ForwardMeta)
     prefill chunks: causal_conv1d_varlen  -> mamba_chunk_scan_varlen           (each from its own state)
     y [T, d_inner] -> gated RMSNorm(y, z) with groups of d_inner / n_groups -> out_proj
 
+With `defer_norm_scale` (Mamba2 blocks; ungrouped norm, no out_proj bias) a step instead returns
+ScaledDelta(out_proj(weight * y * silu(z)), RowRms): the norm's per-row scale is applied by the
+next block's add_rms_norm, and decode rows take one fused kernel from in_proj's output to out_proj's
+input (conv update + state update + gate: kernels/mixer_decode.py) -- two launches fewer per layer.
+
 Both paths read and write the states of the slots in `meta.state_indices` in place.  xBC splits
 after the conv into x [d_inner] | B [n_groups * d_state] | C [n_groups * d_state].
 
@@ -25,13 +30,15 @@ disaggregated run still equals a colocated one.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pd_ssm.cache.pool import CachePool
 from pd_ssm.config import ModelConfig
 from pd_ssm.engine.forward_meta import ForwardMeta
 from pd_ssm.kernels.dispatch import Kernels
-from pd_ssm.layers.norm import GatedRMSNorm
+from pd_ssm.kernels.rmsnorm import GatedSquares, RowRms
+from pd_ssm.layers.norm import GatedRMSNorm, ScaledDelta
 
 # the decode step's dt limit: none, as in the references (module docstring)
 DECODE_DT_LIMIT = (0.0, float("inf"))
@@ -55,7 +62,8 @@ class DepthwiseConv1dParams(nn.Module):
 
 class Mamba2Mixer(nn.Module):
     def __init__(
-        self, config: ModelConfig, *, layer_idx: int, kernels: Kernels, activation: str = "silu"
+        self, config: ModelConfig, *, layer_idx: int, kernels: Kernels, activation: str = "silu",
+        defer_norm_scale: bool = False,
     ) -> None:
         super().__init__()
         if activation != "silu":
@@ -82,6 +90,11 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(self.num_heads, dtype=torch.float32))
         self.norm = GatedRMSNorm(self.d_inner, config.rms_norm_eps, config.mamba_norm_group_size, kernels)
         self.out_proj = nn.Linear(self.d_inner, hidden, bias=config.mamba_proj_bias)
+        # NOTE: the gated norm's scale moves past out_proj (ScaledDelta) only where it is one scalar
+        # per row (the norm is not grouped) and out_proj adds no bias after it
+        self.defer_norm_scale = (
+            defer_norm_scale and config.mamba_norm_group_size == self.d_inner and not config.mamba_proj_bias
+        )
         self._A: torch.Tensor | None = None
         self._A_key: tuple[int, int] = (-1, -1)
 
@@ -105,47 +118,76 @@ class Mamba2Mixer(nn.Module):
             C.view(n, self.n_groups, self.d_state),
         )
 
-    def forward(self, hidden: torch.Tensor, meta: ForwardMeta, cache: CachePool) -> torch.Tensor:
-        T = hidden.shape[0]
+    def forward(self, hidden: torch.Tensor, meta: ForwardMeta, cache: CachePool) -> torch.Tensor | ScaledDelta:
+        """[T, hidden] -> [T, hidden]; with `defer_norm_scale`, the output still to be scaled per row."""
         k = self.kernels
         # NOTE: through the kernels: a decode step of a few rows streams the weights faster than cuBLAS
         proj = k.linear(hidden, self.in_proj.weight, self.in_proj.bias)  # [T, d_inner + conv_dim + nheads]
-        z, xbc, dt = proj.split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
-        conv_state = cache.conv(self.layer_idx)  # [slots, conv_dim, d_conv - 1]
-        ssm_state = cache.ssm(self.layer_idx)  # [slots, nheads, headdim, d_state]
-        A = self.A()  # [nheads] fp32
-        weight, bias = self.conv1d.weight, self.conv1d.bias
-
+        if self.defer_norm_scale:
+            gated = self._gated_squares(proj, meta, cache)
+            out = k.linear(gated.g, self.out_proj.weight, None)  # [T, hidden]; no bias (see __init__)
+            return ScaledDelta(out, RowRms(gated.sq, self.d_inner, self.norm.eps))
+        z = proj[:, :self.d_inner]
         nd = meta.num_decodes
         ys: list[torch.Tensor] = []
         if nd:
-            dec = meta.decode_view()
-            xbc_d = k.causal_conv1d_update(
-                xbc[:nd], conv_state, weight, bias, state_indices=dec.state_indices, activation=self.activation
-            )
-            x_d, B_d, C_d = self._split_xbc(xbc_d)
-            ys.append(
-                k.selective_state_update(
-                    ssm_state, x_d, dt[:nd], A, B_d, C_d,
-                    state_indices=dec.state_indices, D=self.D, dt_bias=self.dt_bias,
-                    dt_softplus=True, dt_limit=DECODE_DT_LIMIT,
-                )
-            )
+            ys.append(self._decode_y(proj[:nd], meta, cache))
         if meta.num_prefills:
-            pre = meta.prefill_view()
-            xbc_p = k.causal_conv1d_varlen(
-                xbc[nd:], weight, bias, conv_state,
-                cu_seqlens=pre.query_start_loc, state_indices=pre.state_indices,
-                has_initial_state=pre.has_initial_state, activation=self.activation,
-            )
-            x_p, B_p, C_p = self._split_xbc(xbc_p)
-            scan = k.mamba_chunk_scan_varlen(
-                x_p, dt[nd:], A, B_p, C_p, self.chunk_size,
-                cu_seqlens=pre.query_start_loc, context_lens=pre.context_lens, ssm_state=ssm_state,
-                state_indices=pre.state_indices, has_initial_state=pre.has_initial_state,
-                D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.prefill_dt_limit,
-            )
-            ys.append(scan.out)
+            ys.append(self._prefill_y(proj[nd:], meta, cache))
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=0)  # [T, nheads, headdim]
-        y = self.norm(y.reshape(T, self.d_inner), z)
+        y = self.norm(y.reshape(proj.shape[0], self.d_inner), z)
         return k.linear(y, self.out_proj.weight, self.out_proj.bias)
+
+    def _gated_squares(self, proj: torch.Tensor, meta: ForwardMeta, cache: CachePool) -> GatedSquares:
+        """The gated norm's input and squares of every row, decode rows by the fused kernel."""
+        k, nd = self.kernels, meta.num_decodes
+        parts: list[GatedSquares] = []
+        if nd:
+            parts.append(k.mamba2_decode_step(
+                proj[:nd], cache.conv(self.layer_idx), self.conv1d.weight, self.conv1d.bias,
+                cache.ssm(self.layer_idx), self.A(), self.D, self.dt_bias, self.norm.weight,
+                state_indices=meta.decode_view().state_indices, ngroups=self.n_groups, arrivals=cache.arrivals,
+            ))
+        if meta.num_prefills:
+            y = self._prefill_y(proj[nd:], meta, cache).reshape(-1, self.d_inner)
+            parts.append(k.rms_norm_gated_squares(y, proj[nd:, :self.d_inner], self.norm.weight))
+        if len(parts) == 1:
+            return parts[0]
+        # a mixed step: the two parts' partial sums differ in number; zeros pad the narrower
+        width = max(p.sq.shape[1] for p in parts)
+        sq = torch.cat([F.pad(p.sq, (0, width - p.sq.shape[1])) for p in parts])  # [T, width]
+        return GatedSquares(torch.cat([p.g for p in parts]), sq)
+
+    def _decode_y(self, proj: torch.Tensor, meta: ForwardMeta, cache: CachePool) -> torch.Tensor:
+        """y [nd, nheads, headdim] of the decode rows (one token each)."""
+        k = self.kernels
+        _, xbc, dt = proj.split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
+        dec = meta.decode_view()
+        xbc = k.causal_conv1d_update(
+            xbc, cache.conv(self.layer_idx), self.conv1d.weight, self.conv1d.bias,
+            state_indices=dec.state_indices, activation=self.activation,
+        )
+        x, B, C = self._split_xbc(xbc)
+        return k.selective_state_update(
+            cache.ssm(self.layer_idx), x, dt, self.A(), B, C,
+            state_indices=dec.state_indices, D=self.D, dt_bias=self.dt_bias,
+            dt_softplus=True, dt_limit=DECODE_DT_LIMIT,
+        )
+
+    def _prefill_y(self, proj: torch.Tensor, meta: ForwardMeta, cache: CachePool) -> torch.Tensor:
+        """y [tokens, nheads, headdim] of the prefill chunks, each from its own state."""
+        k = self.kernels
+        _, xbc, dt = proj.split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
+        pre = meta.prefill_view()
+        xbc = k.causal_conv1d_varlen(
+            xbc, self.conv1d.weight, self.conv1d.bias, cache.conv(self.layer_idx),
+            cu_seqlens=pre.query_start_loc, state_indices=pre.state_indices,
+            has_initial_state=pre.has_initial_state, activation=self.activation,
+        )
+        x, B, C = self._split_xbc(xbc)
+        return k.mamba_chunk_scan_varlen(
+            x, dt, self.A(), B, C, self.chunk_size,
+            cu_seqlens=pre.query_start_loc, context_lens=pre.context_lens, ssm_state=cache.ssm(self.layer_idx),
+            state_indices=pre.state_indices, has_initial_state=pre.has_initial_state,
+            D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.prefill_dt_limit,
+        ).out

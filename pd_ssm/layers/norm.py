@@ -7,11 +7,21 @@ the parameters and the shape facts (eps, group size).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from pd_ssm.kernels.dispatch import Kernels
-from pd_ssm.kernels.rmsnorm import AddNormOutput
+from pd_ssm.kernels.rmsnorm import AddNormOutput, RowRms
+
+
+class ScaledDelta(NamedTuple):
+    """A block's output still to be scaled per row: out * rms.scale()[:, None] (a gated norm whose
+    scale was deferred past out_proj, layers/mixer2.py). The next `add_forward` applies it."""
+
+    out: torch.Tensor  # [T, hidden]
+    rms: RowRms
 
 
 class RMSNorm(nn.Module):
@@ -34,15 +44,21 @@ class RMSNorm(nn.Module):
         return self.kernels.rms_norm(x, w, self.eps)
 
     def add_forward(
-        self, delta: torch.Tensor | None, residual: torch.Tensor, residual_dtype: torch.dtype,
+        self, delta: torch.Tensor | ScaledDelta | None, residual: torch.Tensor, residual_dtype: torch.dtype,
         *, out_dtype: torch.dtype | None = None,
     ) -> AddNormOutput:
         """(norm(residual + delta), residual + delta) in one kernel; delta is None before the first block.
+        A ScaledDelta is scaled per row (fp32) before the add.
 
         The residual is upcast to residual_dtype before the add; the norm runs on the new residual
         rounded to out_dtype (default the weight's dtype), and its output is in out_dtype.
         """
         w = self.weight if out_dtype in (None, self.weight.dtype) else self.weight.to(out_dtype)
+        if isinstance(delta, ScaledDelta):
+            return self.kernels.add_rms_norm(
+                delta.out, residual, w, self.eps, residual_dtype=residual_dtype,
+                weight_in_fp32=self.weight_in_fp32, x_rms=delta.rms,
+            )
         return self.kernels.add_rms_norm(
             delta, residual, w, self.eps, residual_dtype=residual_dtype, weight_in_fp32=self.weight_in_fp32
         )

@@ -21,6 +21,7 @@ from pd_ssm.config import ModelConfig
 from pd_ssm.engine.forward_meta import ForwardMeta
 from pd_ssm.kernels.dispatch import Kernels
 from pd_ssm.layers import Mamba2Mixer, RMSNorm
+from pd_ssm.layers.norm import ScaledDelta
 from pd_ssm.models.base import CausalLM
 from pd_ssm.models.weights import load_named_weights
 
@@ -30,13 +31,16 @@ class Mamba2Block(nn.Module):
         super().__init__()
         self.residual_in_fp32 = config.residual_in_fp32
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        # NOTE: every block output goes straight into the next block's add_rms_norm (or norm_f's), so
+        # the mixer may hand it over with the gated norm's scale still to apply (ScaledDelta)
         self.mixer = Mamba2Mixer(
-            config, layer_idx=layer_idx, kernels=kernels, activation=config.hf.get("hidden_act", "silu")
+            config, layer_idx=layer_idx, kernels=kernels, activation=config.hf.get("hidden_act", "silu"),
+            defer_norm_scale=True,
         )
 
     def forward(
-        self, delta: torch.Tensor | None, residual: torch.Tensor, meta: ForwardMeta, cache: CachePool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, delta: torch.Tensor | ScaledDelta | None, residual: torch.Tensor, meta: ForwardMeta, cache: CachePool
+    ) -> tuple[torch.Tensor | ScaledDelta, torch.Tensor]:
         """(mixer output [T, hidden], residual stream [T, hidden] including delta)."""
         residual_dtype = torch.float32 if self.residual_in_fp32 else residual.dtype
         normed, residual = self.norm.add_forward(delta, residual, residual_dtype)
@@ -63,7 +67,7 @@ class Mamba2ForCausalLM(CausalLM):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta, cache: CachePool
     ) -> torch.Tensor:
         residual = self.backbone.embeddings(input_ids)  # [T, hidden] in the activation dtype
-        delta: torch.Tensor | None = None
+        delta: torch.Tensor | ScaledDelta | None = None
         for i, layer in enumerate(self.backbone.layers):
             delta, residual = layer(delta, residual, meta, cache)
             meta.layer_done(i)  # its cache pages are final: a streaming step may ship them now

@@ -1,0 +1,122 @@
+"""The Mamba2 mixer's decode step between its two projections, with the gated norm's scale deferred.
+
+For B sequences of one new token each:
+
+    proj [B, d_inner + conv_dim + H] = z | xBC | dt                  (in_proj's output, HF split order)
+    xBC -> causal_conv1d_update (conv state slot per sequence) -> x | B | C
+    y   = selective_state_update(x, dt, B, C)                        [B, H, P] in the activation dtype
+    h   = y * silu(z) in fp32                                        the gated norm's input
+    g   = norm_weight * h.to(dtype)                                  [B, d_inner]
+    sq  = partial sums of h^2                                        [B, K] fp32; each row sums to sum(h^2)
+
+An ungrouped gated norm (group_size == d_inner: HF Mamba2 with one group, the 2.7B shape) scales
+a whole row by one r = rsqrt(sum(h^2) / d_inner + eps), and out_proj is linear, so
+out_proj(weight * h * r) = r * out_proj(weight * h): the mixer hands out_proj g and the next
+block's `add_rms_norm(x_rms=RowRms(sq, d_inner, eps))` applies r in its residual add. With the conv
+and the state update in the same program that is one launch per layer and step instead of three
+(conv, state update, gated norm), and xBC and y never leave registers. K is the kernel's choice
+(the Triton kernel writes one partial per program); only the row sums are defined.
+
+Conv and state update follow `causal_conv1d_update_ref` and `selective_state_update_ref` exactly
+(same casts, no dt clamp at decode: layers/mixer2.py); the gated value h is
+`rms_norm_gated_squares_ref`'s.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from pd_ssm.kernels._checks import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_ndim,
+    check_shape,
+)
+from pd_ssm.kernels.conv1d import causal_conv1d_update_ref
+from pd_ssm.kernels.rmsnorm import GatedSquares, rms_norm_gated_squares_ref
+from pd_ssm.kernels.ssu import selective_state_update_ref
+
+
+def check_mixer_decode_args(
+    proj: Tensor, conv_state: Tensor, conv_weight: Tensor, ssm_state: Tensor, norm_weight: Tensor,
+    ngroups: int,
+) -> tuple[int, int, int]:
+    """The checks this kernel adds to those of the conv update and the state update (which both
+    paths run on their slices); returns (d_inner, conv_dim, nheads)."""
+    k = "mamba2_decode_step"
+    check_ndim(k, "proj", proj, "[B, d_inner + conv_dim + nheads]")
+    check_ndim(k, "ssm_state", ssm_state, "[num_slots, nheads, headdim, dstate]")
+    check_ndim(k, "conv_weight", conv_weight, "[conv_dim, width]")
+    check_ndim(k, "norm_weight", norm_weight, "[d_inner]")
+    _, H, P, N = ssm_state.shape
+    d_inner, conv_dim = H * P, conv_weight.shape[0]
+    if ngroups <= 0 or H % ngroups != 0 or conv_dim != d_inner + 2 * ngroups * N:
+        raise ValueError(
+            f"{k}: conv_dim ({conv_dim}) must be d_inner ({d_inner}) + 2 * ngroups ({ngroups}) * dstate "
+            f"({N}), and nheads ({H}) a multiple of ngroups"
+        )
+    check_shape(k, "proj", proj, "[B, d_inner + conv_dim + nheads]", (proj.shape[0], d_inner + conv_dim + H))
+    check_shape(k, "norm_weight", norm_weight, "[d_inner]", (d_inner,))
+    check_dtype(k, "proj", proj, FLOAT_DTYPES)
+    check_dtype(k, "norm_weight", norm_weight, (proj.dtype,))
+    check_last_dim_contiguous(k, "proj", proj)
+    if conv_state.dim() != 3 or conv_state.shape[0] != ssm_state.shape[0]:
+        raise ValueError(
+            f"{k}: conv_state [num_slots, conv_dim, width-1] and ssm_state must have the same number "
+            f"of slots, got {tuple(conv_state.shape)} and {tuple(ssm_state.shape)}"
+        )
+    return d_inner, conv_dim, H
+
+
+def mamba2_decode_step_ref(
+    proj: Tensor,
+    conv_state: Tensor,
+    conv_weight: Tensor,
+    conv_bias: Tensor | None,
+    ssm_state: Tensor,
+    A: Tensor,
+    D: Tensor | None,
+    dt_bias: Tensor | None,
+    norm_weight: Tensor,
+    *,
+    state_indices: Tensor,
+    ngroups: int,
+    arrivals: Tensor | None = None,
+) -> GatedSquares:
+    """One decode token per sequence, from in_proj's output to out_proj's input (module docstring).
+
+    Shapes (H = nheads, P = headdim, N = dstate, G = ngroups, d_inner = H * P):
+      proj           [B, d_inner + conv_dim + H]   z | x B C | dt, stride 1 on the last axis
+      conv_state     [num_slots, conv_dim, width-1] pool, conv_dim = d_inner + 2 * G * N
+      conv_weight    [conv_dim, width], conv_bias [conv_dim] or None   dtype of proj
+      ssm_state      [num_slots, H, P, N]          pool (fp32, bf16 or fp16)
+      A              [H] fp32 (-exp(A_log)); D, dt_bias [H] or None
+      norm_weight    [d_inner]                     the gated norm's weight, dtype of proj
+      state_indices  [B] int32                     pool slots; distinct; negative = CUDA-graph padding
+                                                   (no state touched, g = 0, sq = 0)
+      arrivals       [>= B] int32 zeros            the Triton kernel's election counters (unused here)
+
+    In place on both pools' slots. Returns GatedSquares(g [B, d_inner] in proj.dtype, sq [B, K] fp32).
+    """
+    d_inner, conv_dim, H = check_mixer_decode_args(proj, conv_state, conv_weight, ssm_state, norm_weight, ngroups)
+    Bt, P, N = proj.shape[0], ssm_state.shape[2], ssm_state.shape[3]
+    live = state_indices >= 0  # [B]
+    # NOTE: padding rows run on a live slot's copy, never written back (the references have no
+    # padding rule of their own)
+    rows = live.nonzero().squeeze(1)  # [B'] (host sync: the reference is not graph-captured)
+    z, xbc, dt = proj[rows].split([d_inner, conv_dim, H], dim=-1)
+    slots = state_indices[rows]
+    xbc = causal_conv1d_update_ref(xbc, conv_state, conv_weight, conv_bias, state_indices=slots)
+    x, B, C = xbc.split([d_inner, ngroups * N, ngroups * N], dim=-1)
+    n = rows.shape[0]
+    y = selective_state_update_ref(
+        ssm_state, x.reshape(n, H, P), dt, A, B.reshape(n, ngroups, N), C.reshape(n, ngroups, N),
+        state_indices=slots, D=D, dt_bias=dt_bias, dt_softplus=True,
+    )
+    gated = rms_norm_gated_squares_ref(y.reshape(n, d_inner), z.contiguous(), norm_weight)
+    g = torch.zeros((Bt, d_inner), dtype=proj.dtype, device=proj.device)  # [B, d_inner]
+    sq = torch.zeros((Bt, 1), dtype=torch.float32, device=proj.device)  # [B, 1]
+    g[rows], sq[rows] = gated.g, gated.sq
+    return GatedSquares(g, sq)
