@@ -1,10 +1,11 @@
-"""`pd-ssm bench engine` with the fused decode step switched off: the A side of an A/B in one call.
+"""`pd-ssm bench engine` with another decode step: the other sides of an A/B in one device call.
 
 Mamba2 blocks defer the gated norm's scale and run conv update + state update + gate as one kernel
-(kernels/mixer_decode.py). This runs the same bench with every mixer on the three-kernel path, so
-the fused figures (`python -m pd_ssm.cli bench engine`) can be compared in the same device call.
+(kernels/mixer_decode.py). `--variant unfused` runs every mixer on the three-kernel path (conv
+update, state update, gated norm); `split` keeps the deferred norm but launches the conv update
+on its own first; `fused:P/W` fuses everything with BLOCK_P = P and W warps.
 
-    python benchmarks/decode_fusion_ab_gpu.py [--json FILE]      (CUDA only)
+    python benchmarks/decode_fusion_ab_gpu.py --variant unfused [--json FILE]      (CUDA only)
 """
 
 from __future__ import annotations
@@ -13,23 +14,34 @@ import argparse
 import json
 from typing import Any
 
+import pd_ssm.kernels.mixer_decode_triton as decode_step
 from pd_ssm.bench.engine import EngineBenchOptions, format_table, run_engine_bench
 from pd_ssm.layers.mixer2 import Mamba2Mixer
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--variant", default="unfused", help="unfused | split | fused:P/W")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    init = Mamba2Mixer.__init__
+    if args.variant == "unfused":
+        init = Mamba2Mixer.__init__
 
-    def unfused_init(self: Mamba2Mixer, *a: Any, **kw: Any) -> None:
-        init(self, *a, **kw)
-        self.defer_norm_scale = False
+        def unfused_init(self: Mamba2Mixer, *a: Any, **kw: Any) -> None:
+            init(self, *a, **kw)
+            self.defer_norm_scale = False
 
-    Mamba2Mixer.__init__ = unfused_init  # type: ignore[method-assign]
+        Mamba2Mixer.__init__ = unfused_init  # type: ignore[method-assign]
+    else:
+        fuse = args.variant != "split"
+        block_p, warps = (int(v) for v in args.variant.split(":")[1].split("/")) if fuse else (16, 4)
+
+        def config(*_: Any) -> decode_step.DecodeStepConfig:
+            return decode_step.DecodeStepConfig(block_p, warps, fuse)
+
+        decode_step.default_config = config  # type: ignore[assignment]
     result = run_engine_bench(EngineBenchOptions())
-    result["variant"] = "unfused (conv update, state update, gated norm as three kernels)"
+    result["variant"] = args.variant
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call (nvidia-h200, carry third_party) for the fused decode step:
 #   GPU tests of the kernels and the graph paths at real shapes, `pd-ssm bench engine` with the
-#   fused step and the same bench on the three-kernel path (decode_fusion_ab_gpu.py), the per-kernel
-#   profile of a step, and the cuBLAS layout sweep of the decode linears.
+#   fused step and the same bench on the other paths in $VARIANTS (decode_fusion_ab_gpu.py), the
+#   per-layer sweep of the step's variants (decode_step_gpu.py), and with PROFILE=1 / LINEAR=1 the
+#   per-kernel profile of a step and the cuBLAS layout sweep of the decode linears.
 # Results under $OUT; a summary on stdout.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -14,8 +15,12 @@ timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mixer_de
   tests/engine/test_cuda_graphs.py tests/engine/test_gpu_numerics.py tests/engine/test_prefill_graphs.py \
   tests/state_transfer/test_block_sums_triton.py > "$OUT/tests.txt" 2>&1; echo "tests rc $?" >> "$OUT/tests.txt"
 timeout 170 python3 -m pd_ssm.cli bench engine --json "$OUT/engine_fused.json" > "$OUT/engine_fused.txt" 2>&1
-timeout 170 python3 benchmarks/decode_fusion_ab_gpu.py --json "$OUT/engine_unfused.json" > "$OUT/engine_unfused.txt" 2>&1
-timeout 120 python3 benchmarks/profile_engine_gpu.py --out "$OUT/profile" > "$OUT/profile.txt" 2>&1
-timeout 120 python3 benchmarks/linear_layouts_gpu.py > "$OUT/linear_layouts.txt" 2>&1
-for f in tests engine_fused engine_unfused linear_layouts; do echo "== $f"; grep -v "Warning\|warn(" "$OUT/$f.txt" | tail -22; done
-echo "== profile"; head -60 "$OUT/profile.txt"
+for v in ${VARIANTS:-unfused split}; do
+  timeout 170 python3 benchmarks/decode_fusion_ab_gpu.py --variant "$v" --json "$OUT/engine_${v//[:\/]/_}.json" \
+    > "$OUT/engine_${v//[:\/]/_}.txt" 2>&1
+done
+timeout 150 python3 benchmarks/decode_step_gpu.py > "$OUT/decode_step.txt" 2>&1
+[ -n "${PROFILE:-}" ] && timeout 120 python3 benchmarks/profile_engine_gpu.py --out "$OUT/profile" > "$OUT/profile.txt" 2>&1
+[ -n "${LINEAR:-}" ] && timeout 120 python3 benchmarks/linear_layouts_gpu.py > "$OUT/linear_layouts.txt" 2>&1
+for f in "$OUT"/tests.txt "$OUT"/engine_*.txt "$OUT"/decode_step.txt; do echo "== $f"; grep -v "Warning\|warn(" "$f" | tail -14; done
+[ -f "$OUT/profile.txt" ] && { echo "== profile"; head -60 "$OUT/profile.txt"; }

@@ -41,7 +41,7 @@ def main() -> None:
         variants = {
             "linear": (F.linear, ws),
             "nn": (torch.matmul, wts),
-            "addmm": (lambda a, w: torch.addmm(zero, a, w.t()), ws),
+            "addmm": (lambda a, w, zero=zero: torch.addmm(zero, a, w.t()), ws),
         }
         row: dict[str, Any] = {"shape": name, "rows": rows}
         for vname, (fn, weights) in variants.items():

@@ -26,6 +26,8 @@ class CachePool:
         cache: CacheConfig,
         device: torch.device | str,
         act_dtype: torch.dtype,
+        *,
+        max_decode_rows: int = 0,
     ) -> None:
         self.model_config = model
         self.cache_config = cache
@@ -51,9 +53,9 @@ class CachePool:
         self.k_cache = torch.zeros(kv_shape, dtype=state_dtype, device=self.device)
         self.v_cache = torch.zeros(kv_shape, dtype=state_dtype, device=self.device)
         # NOTE: not cache: per-row counters the fused decode kernel (kernels/mixer_decode_triton.py)
-        # elects one program with; all zero between launches. A decode batch never has more rows
-        # than the pool has slots
-        self.arrivals = torch.zeros(max(self.num_slots, 1), dtype=torch.int32, device=self.device)
+        # elects one program with; all zero between launches. An engine's decode batch never has
+        # more rows than its pool has slots; a throwaway pool (memory profile) says how many it runs
+        self.arrivals = torch.zeros(max(self.num_slots, max_decode_rows, 1), dtype=torch.int32, device=self.device)
 
     # per-layer views handed to the layers
     def conv(self, layer_idx: int) -> torch.Tensor:

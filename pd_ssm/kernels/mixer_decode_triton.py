@@ -8,9 +8,10 @@ sequence: a few KB from L2), the state update, y, the gate, and the tile's sum o
 
 The conv state of the x channels is disjoint between programs, so each shifts its own. The B and
 C channels are read by every program of a sequence, so none may shift them before all have read
-them: each program counts itself in `arrivals[b]` (an atomic with acquire-release order; by batch
-row, not slot, so CUDA-graph padding rows sharing the scratch slot keep separate counts), and the
-last one to arrive shifts B and C and resets the counter to 0 for the next launch.
+them: each program counts itself in `arrivals[b]` (an atomic after a barrier; by batch row, not
+slot, so CUDA-graph padding rows sharing the scratch slot keep separate counts), and the last one
+to arrive shifts B and C and resets the counter to 0 for the next launch. The other configuration
+(`fuse_conv=False`) runs the conv update as its own launch first and reads its output.
 
 Arithmetic: the conv as conv1d_triton_update.py (fp32 taps, rounded to the activation dtype, silu
 in it), the update and y as ssu_triton.py, h and g as rmsnorm_triton.py's deferred gated norm --
@@ -19,17 +20,33 @@ the same operations in the same order, so g equals the three-kernel path's to th
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from pd_ssm.kernels.conv1d import _check_conv_args
+from pd_ssm.kernels.conv1d_triton_update import default_update_tile, launch_conv_update
 from pd_ssm.kernels.conv1d_triton_varlen import _silu_in
 from pd_ssm.kernels.mixer_decode import check_mixer_decode_args
 from pd_ssm.kernels.rmsnorm import GatedSquares
 from pd_ssm.kernels.ssu import check_ssu_args
-from pd_ssm.kernels.ssu_triton import _on_device, _softplus, default_config
+from pd_ssm.kernels.ssu_triton import _on_device, _softplus
+from pd_ssm.kernels.ssu_triton import default_config as ssu_config
+
+
+class DecodeStepConfig(NamedTuple):
+    block_p: int  # headdim rows per program
+    num_warps: int
+    fuse_conv: bool  # the conv inside (B/C elected) or one conv-update launch before
+
+
+def default_config(batch: int, headdim: int, dstate: int, state_dtype: torch.dtype) -> DecodeStepConfig:
+    """The state update's tile (ssu_triton.default_config) with the conv fused."""
+    ssu = ssu_config(headdim, dstate, state_dtype)
+    return DecodeStepConfig(ssu.block_p, ssu.num_warps, True)
 
 
 @triton.jit
@@ -65,16 +82,20 @@ def _shift_history(xbc_row, hist_row, c, ok, WIDTH: tl.constexpr):
 @triton.jit
 def _mixer_decode_kernel(
     # pointers
-    proj_ptr, conv_state_ptr, conv_w_ptr, conv_b_ptr, state_ptr, A_ptr, D_ptr, dt_bias_ptr, norm_w_ptr,
-    slot_ptr, arrivals_ptr, g_ptr, sq_ptr,
+    proj_ptr, conved_ptr, conv_state_ptr, conv_w_ptr, conv_b_ptr, state_ptr, A_ptr, D_ptr, dt_bias_ptr,
+    norm_w_ptr, slot_ptr, arrivals_ptr, g_ptr, sq_ptr,
     # dimensions
     headdim, dstate, heads_per_group, d_inner, conv_dim, gn,
     # strides (both pools contiguous: conv [slot, d, j], state [slot, h, p, n])
-    stride_proj_b, stride_w_d, stride_w_k, stride_state_slot, stride_state_head, stride_g_b, stride_sq_b,
+    stride_proj_b, stride_conved_b, stride_w_d, stride_w_k, stride_state_slot, stride_state_head, stride_g_b,
+    stride_sq_b,
     # meta-parameters
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    FAST_EXP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_BC: tl.constexpr,
+    FUSE_CONV: tl.constexpr, FAST_EXP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_BC: tl.constexpr,
 ):
+    # FUSE_CONV: the conv runs here (B/C elected, module docstring); otherwise conved_ptr holds the
+    # conv update's output [B, conv_dim] (x | B | C after silu) and no conv state is touched
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -99,13 +120,19 @@ def _mixer_decode_kernel(
     proj_row = proj_ptr + b * stride_proj_b
     xbc_row = proj_row + d_inner
     hist_row = conv_state_ptr + slot * conv_dim * (WIDTH - 1)
-    c_B = d_inner + (h // heads_per_group) * dstate + offs_n  # [BLOCK_N] channels of B in xBC
-    xv = _conv_silu(xbc_row, hist_row, conv_w_ptr, conv_b_ptr, c_x, p_ok, stride_w_d, stride_w_k,
-                    WIDTH, HAS_BIAS, FAST_EXP).to(tl.float32)
-    Bv = _conv_silu(xbc_row, hist_row, conv_w_ptr, conv_b_ptr, c_B, n_ok, stride_w_d, stride_w_k,
-                    WIDTH, HAS_BIAS, FAST_EXP).to(tl.float32)
-    Cv = _conv_silu(xbc_row, hist_row, conv_w_ptr, conv_b_ptr, c_B + gn, n_ok, stride_w_d, stride_w_k,
-                    WIDTH, HAS_BIAS, FAST_EXP).to(tl.float32)
+    c_B = (h // heads_per_group) * dstate + offs_n  # [BLOCK_N] channels of B in x | B | C, less d_inner
+    if FUSE_CONV:
+        xv = _conv_silu(xbc_row, hist_row, conv_w_ptr, conv_b_ptr, c_x, p_ok, stride_w_d, stride_w_k,
+                        WIDTH, HAS_BIAS, FAST_EXP).to(tl.float32)
+        Bv = _conv_silu(xbc_row, hist_row, conv_w_ptr, conv_b_ptr, d_inner + c_B, n_ok, stride_w_d, stride_w_k,
+                        WIDTH, HAS_BIAS, FAST_EXP).to(tl.float32)
+        Cv = _conv_silu(xbc_row, hist_row, conv_w_ptr, conv_b_ptr, d_inner + gn + c_B, n_ok, stride_w_d,
+                        stride_w_k, WIDTH, HAS_BIAS, FAST_EXP).to(tl.float32)
+    else:
+        conved_row = conved_ptr + b * stride_conved_b
+        xv = tl.load(conved_row + c_x, mask=p_ok, other=0.0).to(tl.float32)
+        Bv = tl.load(conved_row + d_inner + c_B, mask=n_ok, other=0.0).to(tl.float32)
+        Cv = tl.load(conved_row + d_inner + gn + c_B, mask=n_ok, other=0.0).to(tl.float32)
 
     dt = tl.load(proj_row + d_inner + conv_dim + h).to(tl.float32)
     if HAS_DT_BIAS:
@@ -127,14 +154,18 @@ def _mixer_decode_kernel(
     tl.store(g_ptrs, (w * hv.to(act).to(tl.float32)).to(act), mask=p_ok)
     tl.store(sq_out, tl.sum(hv * hv, axis=0))
 
-    _shift_history(xbc_row, hist_row, c_x, p_ok, WIDTH)
-    # B and C: shifted once every program of this sequence has read them (module docstring)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(arrivals_ptr + b, 1, sem="acq_rel")
-    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
-        tl.store(arrivals_ptr + b, 0)
-        offs_bc = tl.arange(0, BLOCK_BC)
-        _shift_history(xbc_row, hist_row, d_inner + offs_bc, offs_bc < 2 * gn, WIDTH)
+    if FUSE_CONV:
+        _shift_history(xbc_row, hist_row, c_x, p_ok, WIDTH)
+        # B and C: shifted once every program of this sequence has read them (module docstring).
+        # NOTE: relaxed is enough: the barrier holds every warp until its B/C history loads have
+        # returned (their values are in the state stored above), and the last arriver's stores
+        # depend on the count it reads
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + b, 1, sem="relaxed")
+        if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+            tl.store(arrivals_ptr + b, 0)
+            offs_bc = tl.arange(0, BLOCK_BC)
+            _shift_history(xbc_row, hist_row, d_inner + offs_bc, offs_bc < 2 * gn, WIDTH)
 
 
 def mamba2_decode_step_triton(
@@ -174,22 +205,38 @@ def mamba2_decode_step_triton(
             f"{tuple(arrivals.shape)}"
         )
 
-    cfg = default_config(P, N, ssm_state.dtype)
+    return launch_decode_step(proj, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, norm_weight,
+                              state_indices, ngroups, arrivals, default_config(Bt, P, N, ssm_state.dtype))
+
+
+def launch_decode_step(
+    proj: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_bias: Tensor | None, ssm_state: Tensor, A: Tensor,
+    D: Tensor | None, dt_bias: Tensor | None, norm_weight: Tensor, state_indices: Tensor, ngroups: int,
+    arrivals: Tensor, cfg: DecodeStepConfig,
+) -> GatedSquares:
+    """The launch(es) behind `mamba2_decode_step_triton` with the configuration chosen by the caller
+    (the benchmark sweeps it); arguments already checked."""
+    Bt, H, P, N = proj.shape[0], ssm_state.shape[1], ssm_state.shape[2], ssm_state.shape[3]
+    d_inner, conv_dim = H * P, conv_weight.shape[0]
     p_tiles = triton.cdiv(P, cfg.block_p)
     g = torch.empty((Bt, d_inner), dtype=proj.dtype, device=proj.device)  # [B, d_inner]
     sq = torch.empty((Bt, H * p_tiles), dtype=torch.float32, device=proj.device)  # [B, K]
     if Bt == 0:
         return GatedSquares(g, sq)
+    conved = proj  # unread when the conv is fused
+    if not cfg.fuse_conv:
+        conved = launch_conv_update(proj[:, d_inner:d_inner + conv_dim], conv_state, conv_weight, conv_bias,
+                                    state_indices, "silu", default_update_tile(Bt))  # [B, conv_dim]
     with _on_device(proj):
         _mixer_decode_kernel[(p_tiles, H, Bt)](
-            proj, conv_state, conv_weight, conv_bias, ssm_state, A.contiguous(),
+            proj, conved, conv_state, conv_weight, conv_bias, ssm_state, A.contiguous(),
             None if D is None else D.contiguous(), None if dt_bias is None else dt_bias.contiguous(),
             norm_weight.contiguous(), state_indices.contiguous(), arrivals, g, sq,
             P, N, H // ngroups, d_inner, conv_dim, ngroups * N,
-            proj.stride(0), conv_weight.stride(0), conv_weight.stride(1),
+            proj.stride(0), conved.stride(0), conv_weight.stride(0), conv_weight.stride(1),
             ssm_state.stride(0), ssm_state.stride(1), g.stride(0), sq.stride(0),
             WIDTH=conv_weight.shape[1], HAS_BIAS=conv_bias is not None, HAS_D=D is not None,
-            HAS_DT_BIAS=dt_bias is not None, FAST_EXP=proj.is_cuda, BLOCK_P=cfg.block_p,
+            HAS_DT_BIAS=dt_bias is not None, FUSE_CONV=cfg.fuse_conv, FAST_EXP=proj.is_cuda, BLOCK_P=cfg.block_p,
             BLOCK_N=triton.next_power_of_2(N), BLOCK_BC=triton.next_power_of_2(2 * ngroups * N),
             num_warps=cfg.num_warps,
         )

@@ -16,7 +16,11 @@ from torch import Tensor
 
 from pd_ssm.kernels.conv1d_triton import causal_conv1d_update_triton
 from pd_ssm.kernels.mixer_decode import mamba2_decode_step_ref
-from pd_ssm.kernels.mixer_decode_triton import mamba2_decode_step_triton
+from pd_ssm.kernels.mixer_decode_triton import (
+    default_config,
+    launch_decode_step,
+    mamba2_decode_step_triton,
+)
 from pd_ssm.kernels.rmsnorm import RowRms, add_rms_norm_ref, rms_norm_gated_ref, rms_norm_gated_squares_ref
 from pd_ssm.kernels.rmsnorm_triton import add_rms_norm_triton, rms_norm_gated_squares_triton
 from pd_ssm.kernels.ssu_triton import selective_state_update_triton
@@ -55,8 +59,14 @@ class Case:
     def pools(self) -> tuple[Tensor, Tensor]:
         return self.conv_state.clone(), self.ssm_state.clone()
 
-    def run(self, fn, slots: Tensor | None = None):  # type: ignore[no-untyped-def]
+    def run(self, fn, slots: Tensor | None = None, fuse_conv: bool | None = None):  # type: ignore[no-untyped-def]
         conv, ssm = self.pools()
+        if fuse_conv is not None:  # the Triton launch with the conv inside or before
+            Bt = self.proj.shape[0]
+            cfg = default_config(Bt, self.P, self.N, ssm.dtype)._replace(fuse_conv=fuse_conv)
+            out = launch_decode_step(self.proj, conv, self.conv_w, self.conv_b, ssm, self.A, self.D, self.dt_bias,
+                                     self.norm_w, self.slots if slots is None else slots, self.G, self.arrivals, cfg)
+            return out, conv, ssm
         out = fn(self.proj, conv, self.conv_w, self.conv_b, ssm, self.A, self.D, self.dt_bias, self.norm_w,
                  state_indices=self.slots if slots is None else slots, ngroups=self.G, arrivals=self.arrivals)
         return out, conv, ssm
@@ -82,10 +92,11 @@ def rel_l2(a: Tensor, b: Tensor) -> float:
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_matches_ref(shape: tuple[int, int, int, int], dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("fuse_conv", [True, False])
+def test_triton_matches_ref(shape: tuple[int, int, int, int], dtype: torch.dtype, fuse_conv: bool) -> None:
     c = Case(*shape, Bt=5 if not CUDA else 64, slots_n=9 if not CUDA else 100, dtype=dtype,
              state_dtype=torch.float32, seed=sum(shape))
-    (g, sq), conv, ssm = c.run(mamba2_decode_step_triton)
+    (g, sq), conv, ssm = c.run(mamba2_decode_step_triton, fuse_conv=fuse_conv)
     (g_ref, sq_ref), conv_ref, ssm_ref = c.run(mamba2_decode_step_ref)
     assert g.shape == (c.proj.shape[0], c.d_inner) and g.dtype == dtype and sq.dtype == torch.float32
     torch.testing.assert_close(conv, conv_ref, rtol=0, atol=0)  # the shift moves values, no arithmetic
@@ -105,10 +116,13 @@ def test_triton_matches_ref(shape: tuple[int, int, int, int], dtype: torch.dtype
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_equals_the_three_kernels_it_replaces(shape: tuple[int, int, int, int], dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("fuse_conv", [True, False])
+def test_triton_equals_the_three_kernels_it_replaces(
+    shape: tuple[int, int, int, int], dtype: torch.dtype, fuse_conv: bool
+) -> None:
     c = Case(*shape, Bt=4 if not CUDA else 128, slots_n=7 if not CUDA else 130, dtype=dtype,
              state_dtype=torch.float32, seed=7 + sum(shape))
-    (g, sq), conv, ssm = c.run(mamba2_decode_step_triton)
+    (g, sq), conv, ssm = c.run(mamba2_decode_step_triton, fuse_conv=fuse_conv)
     g_u, sq_u, conv_u, ssm_u = c.unfused()
     assert torch.equal(g, g_u)
     assert torch.equal(conv, conv_u) and torch.equal(ssm, ssm_u)
@@ -196,7 +210,7 @@ def test_rows_sharing_a_slot_leave_the_counters_at_zero() -> None:
     slots = c.slots.clone()
     slots[2] = slots[3] = 7  # the scratch slot, twice (its contents are garbage by design)
     slots[0], slots[1] = 0, 1
-    (g, _), conv, ssm = c.run(mamba2_decode_step_triton, slots)
+    (g, _), conv, ssm = c.run(mamba2_decode_step_triton, slots, fuse_conv=True)
     (g_ref, _), conv_ref, ssm_ref = c.run(mamba2_decode_step_ref, torch.tensor([0, 1, -1, -1], dtype=torch.int32, device=DEV))
     assert int(c.arrivals.abs().sum()) == 0
     torch.testing.assert_close(g[:2], g_ref[:2], rtol=1e-4, atol=1e-4)  # the live rows are unaffected

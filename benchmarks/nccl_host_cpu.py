@@ -1,0 +1,106 @@
+"""Per-request HOST time of the NCCL connector, on the CPU (gloo), with pages too small for their
+bytes to matter: what is left is the Python and the launches per request, the part that keeps the
+connector below the link on the H200 (RESULTS.md). Two spawned processes; the sender posts `n`
+requests back to back and flushes, the receiver takes them; each side timed on its own clock,
+medians of `reps` rounds after a warm-up: the sender's `send` calls alone (its host work to post
+them), and end to end, from the sender's first `send` to the receiver holding the last request
+(perf_counter is CLOCK_MONOTONIC: one clock for both processes).
+
+    python benchmarks/nccl_host_cpu.py [--n 8] [--reps 30] [--pages mamba2|hybrid] [--coalesce-bytes 1]
+
+Prints microseconds per request (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TOKEN = "host-cpu"
+
+
+def _sender(rendezvous: str, kind: str, n: int, reps: int, coalesce: int, go: Any, out: Any) -> None:
+    from pd_ssm.bench.transfer import PageShape, make_pages, renamed
+    from pd_ssm.state_transfer.base import Ticket
+    from pd_ssm.state_transfer.nccl_connector import NcclConfig, NcclConnector
+
+    pages = make_pages("h", kind, torch.float32, PageShape.tiny())
+    tx = NcclConnector(NcclConfig(TOKEN, rendezvous, timeout=30, send_timeout=30, coalesce_bytes=coalesce))
+    assert tx.address is not None
+    starts, sends = [], []
+    for r in range(reps + 1):
+        go.get()  # the receiver reserved this round's requests
+        t0 = time.perf_counter()
+        for j in range(n):
+            rid = f"h{r}-{j}"
+            tx.send(renamed(pages, rid), Ticket(rid, tx.address, 0, [], time.monotonic() + 600, TOKEN))
+        sends.append(time.perf_counter() - t0)
+        starts.append(t0)
+        assert tx.flush(30), tx.get_failed()
+        tx.get_finished()
+    out.put(("sender", (starts[1:], sends[1:])))
+    go.get()
+    tx.close()
+
+
+def _receiver(kind: str, n: int, reps: int, go: Any, out: Any, rq: Any) -> None:
+    from pd_ssm.state_transfer.nccl_connector import NcclConfig, NcclConnector
+    from pd_ssm.state_transfer.reservations import ReservationTable
+
+    table = ReservationTable(ttl=600, token=TOKEN)
+    rx = NcclConnector(NcclConfig(TOKEN, "tcp://127.0.0.1:0", timeout=30), bind="tcp://127.0.0.1:0",
+                       reservations=table)
+    rq.put(rx.rendezvous)
+    while not rx.paired:
+        rx.recv(timeout=0.05)
+    ends = []
+    for r in range(reps + 1):
+        for j in range(n):
+            table.reserve(f"h{r}-{j}", rx.address or "", slot=0)
+        go.put(r)
+        got = [rx.recv(timeout=30) for _ in range(n)]
+        ends.append(time.perf_counter())  # CLOCK_MONOTONIC: comparable with the sender's
+        assert all(g is not None for g in got), rx.get_failed()
+        rx.get_finished()
+    out.put(("receiver", ends[1:]))
+    go.put(None)
+    rx.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--pages", default="mamba2", choices=["mamba2", "hybrid"])
+    ap.add_argument("--coalesce-bytes", type=int, default=512 << 20, help="NcclConfig.coalesce_bytes (1: one request a message)")
+    a = ap.parse_args()
+    ctx = mp.get_context("spawn")
+    go, out, rq = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    rx = ctx.Process(target=_receiver, args=(a.pages, a.n, a.reps, go, out, rq))
+    rx.start()
+    tx = ctx.Process(target=_sender, args=(rq.get(timeout=60), a.pages, a.n, a.reps, a.coalesce_bytes, go, out))
+    tx.start()
+    got = dict(out.get(timeout=300) for _ in range(2))
+    for p in (tx, rx):
+        p.join(30)
+    starts, sends = got["sender"]
+    e2e = [end - start for start, end in zip(starts, got["receiver"], strict=True)]
+    print(json.dumps({
+        "pages": a.pages, "n": a.n, "coalesce_bytes": a.coalesce_bytes,
+        "send_calls_us_per_request": round(1e6 * statistics.median(sends) / a.n, 1),
+        "end_to_end_us_per_request": round(1e6 * statistics.median(e2e) / a.n, 1),
+    }))
+
+
+if __name__ == "__main__":
+    main()
