@@ -4,6 +4,8 @@
   raw_peer      isend / irecv on a PeerGroup (the connector's private group), reused buffers
   raw_peer_new  the same with a fresh buffer each time on both sides (what the connector allocates)
   connector     NcclConnector.send + flush / recv (pack, checksums, metadata over ZMQ)
+  connector_x8  8 requests back to back (coalesced: the first alone, the rest in messages of up to
+                coalesce_bytes); connector_x8_one_per_message the same with one request a message
   phases        the connector's receive split: control read -> recv posted -> bytes in -> checked
 
     python benchmarks/nccl_overhead_gpu.py      # prints medians (ms), writes $OUT/nccl_overhead.json
@@ -136,6 +138,16 @@ def run(rank: int, port: int, q: Any, rq: Any) -> None:
         elif edge == "end" and name in starts:
             tot[name] = tot.get(name, 0.0) + t - starts.pop(name)
     res.update({f"x8_total:{k}": [v / (REPS + 2)] for k, v in tot.items()})
+    marks.clear()
+    if rank == 0:  # the same, one request a message (no coalescing), for the comparison
+        assert conn._tx is not None
+        cap, conn._tx._held.cap = conn._tx._held.cap, 1
+    else:
+        for i in range((REPS + 2) * 9, (REPS + 2) * 17):
+            table.reserve(f"c{i}", conn.address or "", slot=0)
+    res["connector_x8_one_per_message"] = _timed(connector8, dev)
+    if rank == 0:
+        conn._tx._held.cap = cap  # type: ignore[union-attr]
     if rank == 0:
         # sender phases, one request: layout / sums queued / isend posted / metadata out / send done
         from pd_ssm.state_transfer.nccl_checksum import PendingSums
@@ -163,7 +175,7 @@ def run(rank: int, port: int, q: Any, rq: Any) -> None:
 
 def _instrument(rank: int) -> list[tuple[str, float]]:
     """Timestamps of the connector's steps (wrapped methods), for the phase split."""
-    from pd_ssm.state_transfer import nccl_message, nccl_receiver, nccl_sender
+    from pd_ssm.state_transfer import nccl_batch, nccl_inbound, nccl_receiver, nccl_sender
 
     marks: list[tuple[str, float]] = []
 
@@ -179,17 +191,18 @@ def _instrument(rank: int) -> list[tuple[str, float]]:
         setattr(owner, name, timed)
 
     if rank == 0:
-        wrap(nccl_sender, "layout", "layout")
-        wrap(nccl_sender, "PendingSums", "sums")
+        wrap(nccl_batch, "layout_many", "layout")
+        wrap(nccl_batch, "PendingSums", "sums")
         wrap(nccl_sender.NcclSender, "_isend", "isend")
-        wrap(nccl_sender, "seal_sums", "seal")
+        wrap(nccl_batch, "seal_sums", "seal")
         wrap(nccl_sender.NcclSender, "_check_dropped", "probe")
     else:
         wrap(nccl_receiver.NcclReceiver, "_read", "read")
+        wrap(nccl_receiver.NcclReceiver, "_sums_behind_recv", "sums_queued")
         wrap(nccl_receiver.NcclReceiver, "_wait", "wait")
+        wrap(nccl_inbound, "parse_requests", "parse")
+        wrap(nccl_inbound.Inbound, "block_sums", "block_sums")
         wrap(nccl_receiver, "unpack", "unpack")
-        wrap(nccl_receiver, "parse_request", "parse_request")
-        wrap(nccl_message, "block_sums", "block_sums")
     marks.append(("barrier", 0.0))
     return marks
 

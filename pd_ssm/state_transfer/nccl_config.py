@@ -20,16 +20,21 @@ class NcclConfig:
     recv_device: str | None = None  # where received tensors go; None: `device` (views, no copy)
     # receiver: bytes of p2p recvs posted ahead of the request being checked (at least one is)
     recv_window: int = 1 << 30
-    # receiver: the largest request it allocates for (a 2.7B request is 0.17 GB; long hybrid KV more)
+    # receiver: the largest message it allocates for (a 2.7B request is 0.17 GB; long hybrid KV more)
     max_message_bytes: int = 64 << 30
+    # sender: requests held while the link is busy go out as one message once they reach this many
+    # tensor bytes (nccl_batch.py): 3 fp32 / 5 bf16 Mamba2-2.7B requests; a larger request goes alone
+    coalesce_bytes: int = 512 << 20
     backend: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
         if not self.token:
             raise ValueError("NcclConfig.token is empty: peers authenticate with the shared cluster token")
         split_tcp(self.rendezvous)
-        if min(self.timeout, self.send_timeout, self.recv_window, self.max_message_bytes) <= 0:
-            raise ValueError(f"NcclConfig: timeout, send_timeout, recv_window, max_message_bytes must be > 0: {self}")
+        if min(self.timeout, self.send_timeout, self.recv_window, self.max_message_bytes, self.coalesce_bytes) <= 0:
+            raise ValueError(
+                f"NcclConfig: timeout, send_timeout, recv_window, max_message_bytes, coalesce_bytes must be > 0: {self}"
+            )
         kind = torch.device(self.device).type
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"NcclConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

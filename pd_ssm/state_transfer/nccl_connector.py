@@ -3,20 +3,28 @@
 One sender (prefill side, rank 0) and one receiver (decode side, rank 1) per connector pair, on a
 group of their own (nccl_group.py: not torch.distributed's default group, so any number of
 connectors and a default group coexist in one process). Backend "nccl" when the connector's
-device is CUDA, "gloo" on CPU -- the same code path. Per request (nccl_message.py):
+device is CUDA, "gloo" on CPU -- the same code path. Per data message (nccl_control.py,
+nccl_message.py):
 
-  ZMQ PUSH -> PULL: [token, control{kind="data", gen, req_id, nbytes}, request frame, runs list]
-  p2p: ONE coalesced buffer of nbytes (per-layer messages are ~3x slower on NVLink, TARGETS.md),
-       sent from device memory and received into device memory; a run is the same-named tensors
-       of the layers stacked (export_pages makes pages in that form), handed out as views of the
-       received buffer, each run checked against its block-sum checksum (nccl_checksum.py).
+  ZMQ PUSH -> PULL: [token, control{kind="data", gen, req_ids, sizes}, then per request: request
+       frame (header, payload), runs list]
+  p2p: ONE buffer of sum(sizes) bytes, the requests' parts back to back (per-layer messages are
+       ~3x slower on NVLink, TARGETS.md), sent from device memory and received into device
+       memory; a run is the same-named tensors of the layers stacked (export_pages makes pages in
+       that form), handed out as views of the received buffer, each run checked against its
+       block-sum checksum (nccl_checksum.py).
+
+A message carries one request, or several: a request sent while an earlier message is still on
+its way is held and goes out with the others held then (nccl_batch.py, nccl_coalesce.py); a lone
+request is never held. Every check, failure and abort stays per request.
 
 Order: the sender posts the p2p send at once and sends the metadata when the buffer's block sums
 reach its host (nccl_sender.py); the receiver reads the metadata, then posts the matching recv
-(and those of the requests behind it, up to `recv_window` bytes, while it checks one). Both
-channels are FIFO between the two peers, so the k-th data message of a generation describes its
-k-th p2p message. A request leaves whole, after the prefill forward (no layer-wise streaming:
-the link moves a 2.7B request in ~0.5 ms, against ~26 ms for the prefill in CUDA graphs, which a
+(and those of the messages behind it, up to `recv_window` bytes, while it checks one), parsing a
+message's request frames and run headers while its bytes travel (nccl_inbound.py). Both channels
+are FIFO between the two peers, so the k-th data message of a generation describes its k-th p2p
+message. A request leaves whole, after the prefill forward (no layer-wise streaming: the link
+moves a 2.7B request in ~0.5 ms, against ~26 ms for the prefill in CUDA graphs, which a
 per-layer hook would rule out).
 
 Pairing and recovery (the design of issue 4's "a peer dies mid-transfer"):
@@ -29,8 +37,9 @@ Pairing and recovery (the design of issue 4's "a peer dies mid-transfer"):
   - Every data message names its generation. One of a generation that is gone (sent by a dead
     sender before it died) fails its request at once: its bytes will never come.
   - A p2p op that fails or exceeds `timeout` (gloo: "connection closed" the moment the peer dies;
-    NCCL: a hang, bounded by our wait, then the communicator is aborted) fails its request(s),
-    releases the reservation and tears the group down. The receiver then waits for a new hello;
+    NCCL: a hang, bounded by our wait, then the communicator is aborted) fails every request of
+    every message in flight (held ones too, on the sender), releases their reservations and tears
+    the group down. The receiver then waits for a new hello;
     the sender re-pairs on its next `send` (with `rendezvous`, or the one given to `pair`).
   - The side channel is one-way, so a receiver that drops a generation says so in the store
     (`dropped_key`), and the sender probes it in `flush` / `get_finished` / `get_failed` through a
@@ -38,7 +47,8 @@ Pairing and recovery (the design of issue 4's "a peer dies mid-transfer"):
     not report (a send whose recv was never posted) -- the store went with it.
   - Abort: on the receiver it cancels the reservation and drops the bytes when they come; on the
     sender it sends an "abort" control, and the receiver releases the reservation at once if the
-    request has not arrived (one already sent is delivered: its bytes are on the stream).
+    request has not arrived (one already sent is delivered: its bytes are on the stream; one
+    still held never leaves, and its message's other requests go without it).
   - Stream sync: once a data message of the live generation is read, its bytes are received
     whatever the receiver thinks of the request (wrong token, unknown / expired / aborted, bad
     metadata), into the buffer and then dropped, so the next request lines up. Only a control part
@@ -117,8 +127,8 @@ class NcclConnector(Connector):
 
     @property
     def in_flight(self) -> int:
-        """Sender: p2p sends posted and not completed (each holds a buffer); receiver: recvs posted
-        ahead (`recv_window`) whose requests `recv` has not handed out yet."""
+        """Sender: requests held or posted and not completed (a posted message holds its buffer);
+        receiver: messages whose recv is posted ahead (`recv_window`) and not completed yet."""
         if self._tx is not None:
             return self._tx.in_flight
         return self._rx.in_flight if self._rx is not None else 0
@@ -131,8 +141,10 @@ class NcclConnector(Connector):
         self._sender().pair(rendezvous)
 
     def send(self, pages: StatePages, ticket: Ticket) -> None:
-        """One coalesced p2p send, its metadata over ZMQ; the whole request in one call (no
-        layer-wise streaming: see the module docstring). Failures -- no receiver to re-pair with,
+        """The whole request in one call (no layer-wise streaming: see the module docstring): posted
+        at once if the link is idle, else held and coalesced with the requests sent meanwhile
+        (posted by the next call that is not a `send`, or when they reach `coalesce_bytes`). Its
+        metadata goes over ZMQ. Failures -- no receiver to re-pair with,
         metadata not taken within `send_timeout`, the p2p stream broken -- go to `get_failed`."""
         tx = self._sender()
         if ticket.req_id != pages.req_id:

@@ -1,11 +1,8 @@
-"""The NCCL connector's messages: the side-channel control part, and the coalesced p2p buffer with
-the msgpack list that says where each run of tensors sits in it.
+"""The NCCL connector's p2p buffer and the msgpack list that says where each run of tensors of a
+request sits in it (the side-channel control part is nccl_control.py).
 
-Side channel (ZMQ), one multipart message each:
-  hello  [token, control{kind="hello", gen, req_id="", nbytes=0}]: a sender joins generation `gen`
-  data   [token, control{kind="data", gen, req_id, nbytes}, request header, request payload, runs]
-  abort  [token, control{kind="abort", gen, req_id, nbytes=0}]: the sender gave `req_id` up
-p2p: ONE uint8 buffer of `nbytes`. A run is the tensors of one name and shape over the layers
+p2p: ONE uint8 buffer per data message, its requests' bytes back to back (each request's part a
+whole number of blocks, `Control.sizes`). A run is the tensors of one name and shape over the layers
 that have it (e.g. every SSM layer's "ssm" state), stacked in layer order; every run starts at a
 BLOCK-aligned offset (nccl_checksum.py) and the gaps are zero-filled, so the receiver hands out
 per-layer views of the buffer, no copy, and checks one checksum per run.
@@ -18,17 +15,19 @@ outside the bytes it received.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import numpy as np
 import torch
 
 from pd_ssm.cache.pages import PageRun, RequestState, StatePages
 from pd_ssm.state_transfer.nccl_checksum import BLOCK, align, block_sums, tensor_checksum
+from pd_ssm.state_transfer.nccl_control import unpack_msgpack
 from pd_ssm.state_transfer.wire import (
     DTYPES,
-    MAX_HEADER_BYTES,
     MAX_NDIM,
     MAX_PAYLOAD_BYTES,
     PAGE_KINDS,
@@ -39,21 +38,6 @@ from pd_ssm.state_transfer.wire import (
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_META_BYTES = 16 << 20  # the runs list: ~100 B per run plus the layer numbers
 _RUN_KEYS = frozenset({"layers", "page_kind", "name", "dtype", "shape", "offset", "nbytes", "checksum"})
-_CONTROL_KEYS = frozenset({"kind", "gen", "req_id", "nbytes"})
-CONTROL_KINDS = ("hello", "data", "abort")
-
-
-@dataclass(frozen=True, slots=True)
-class Control:
-    kind: str  # "hello" | "data"
-    gen: int  # the pairing generation the p2p bytes travel on (nccl_group.py)
-    req_id: str
-    nbytes: int  # size of the p2p message that follows a "data" control; 0 for "hello"
-
-    def encode(self) -> bytes:
-        return msgpack.packb(
-            {"kind": self.kind, "gen": self.gen, "req_id": self.req_id, "nbytes": self.nbytes}, use_bin_type=True
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +52,7 @@ class RunMeta:
     offset: int  # BLOCK-aligned
     nbytes: int  # len(layers) x one tensor's bytes
     checksum: int  # nccl_checksum.tensor_checksum of this header and [offset, align(offset + nbytes))
+    header_crc: int  # crc32 of the header fields (`_describe`), computed at parse: the bytes need not be in
 
 
 _Source = torch.Tensor | list[torch.Tensor]  # a run's tensors: already stacked, or one per layer
@@ -104,37 +89,75 @@ def pack(pages: StatePages, device: torch.device) -> tuple[torch.Tensor, list[di
 
 
 def layout(pages: StatePages, device: torch.device) -> tuple[torch.Tensor, list[dict[str, Any]]]:
-    """All tensors in one uint8 buffer on `device` (queued on the current stream, not waited for),
-    and the header of each run, its checksum still 0 (`seal` / `seal_sums` fill it in).
+    """One request's tensors in one uint8 buffer on `device` (`layout_many` of one)."""
+    buf, metas, _ = layout_many([pages], device)
+    return buf, metas[0]
+
+
+def layout_many(
+    pages: list[StatePages], device: torch.device
+) -> tuple[torch.Tensor, list[list[dict[str, Any]]], list[int]]:
+    """Every request's tensors in ONE uint8 buffer on `device`, back to back (queued on the current
+    stream, not waited for); per request the header of each run (checksum still 0: `seal` /
+    `seal_sums` fill it in, offsets are into the whole buffer) and its size in the buffer.
 
     Tensors of the same name and shape over the layers form a run, stacked by ONE kernel straight
     into its place in the buffer: per-tensor work in Python (128 tensors for Mamba2-2.7B) would
     cost milliseconds a request, more than moving its 168 MB over NVLink. The buffer is the only
     staging the NCCL path does (one p2p message is ~3x faster than one per tensor, TARGETS.md)."""
-    runs = _runs(pages)
-    metas: list[dict[str, Any]] = []
+    plans, metas, sizes = [], [], []
     offset = 0
-    for (kind, name, dt, shape), layers, _ in runs:
+    for p in pages:
+        m, sources, end = _plan(p, offset)
+        plans.append(sources)
+        metas.append(m)
+        sizes.append(end - offset)
+        offset = end
+    buf = torch.empty(offset, dtype=torch.uint8, device=device)
+    host = buf.numpy() if buf.device.type == "cpu" else None
+    for m, sources in zip(metas, plans, strict=True):
+        _fill(buf, host, m, sources)
+    return buf, metas, sizes
+
+
+
+def _plan(pages: StatePages, offset: int) -> tuple[list[dict[str, Any]], list[tuple[torch.dtype, _Source]], int]:
+    """The run headers of `pages` placed from `offset` on, their sources, and where they end."""
+    metas: list[dict[str, Any]] = []
+    sources: list[tuple[torch.dtype, _Source]] = []
+    for (kind, name, dt, shape), layers, source in _runs(pages):
         dtype = _DTYPE_NAMES.get(dt)
         if dtype is None:
             raise ValueError(f"dtype {dt} cannot go on the wire; allowed: {sorted(DTYPES)}")
         n = len(layers) * math.prod(shape) * dt.itemsize
         metas.append({"layers": layers, "page_kind": kind, "name": name, "dtype": dtype, "shape": list(shape),
                       "offset": offset, "nbytes": n, "checksum": 0})
+        sources.append((dt, source))
         offset += align(n)
-    buf = torch.empty(offset, dtype=torch.uint8, device=device)
-    for m, ((_, _, dt, _), layers, source) in zip(metas, runs, strict=True):
+    return metas, sources, offset
+
+
+def _fill(buf: torch.Tensor, host: np.ndarray | None, metas: list[dict[str, Any]],
+          sources: list[tuple[torch.dtype, _Source]]) -> None:
+    """Copy each run into its place and zero the gap behind it (the gap is summed: both sides must
+    see zeros). `host`: the buffer's numpy view on the CPU, where a small fill through torch costs
+    milliseconds on a busy machine (its thread pool wakes up for 64 KiB) and numpy's memset does not."""
+    for m, (dt, source) in zip(metas, sources, strict=True):
         start, n = m["offset"], m["nbytes"]
         if n:
-            out = buf[start : start + n].view(dt).view(len(layers), *m["shape"])
+            out = buf[start : start + n].view(dt).view(len(m["layers"]), *m["shape"])
             if isinstance(source, torch.Tensor):
                 out.copy_(source)  # across devices too
             else:
                 if source[0].device != buf.device:  # host pages for a GPU buffer: the slow path
                     source = [t.to(buf.device) for t in source]
                 torch.stack(source, out=out)  # pages hold no autograd history (exported under no_grad)
-        buf[start + n : align(start + n)].zero_()  # the gap is summed: both sides must see zeros
-    return buf, metas
+        end = align(start + n)
+        if end > start + n:
+            if host is not None:
+                host[start + n : end] = 0
+            else:
+                buf[start + n : end].zero_()
 
 
 def seal(metas: list[dict[str, Any]], buf: torch.Tensor) -> None:
@@ -155,58 +178,25 @@ def _describe(layers: Any, kind: str, name: str, dtype: str, shape: Any, offset:
     return msgpack.packb([list(layers), kind, name, dtype, list(shape), offset, nbytes], use_bin_type=True)
 
 
-def unpack(request: RequestState, metas: list[RunMeta], buf: torch.Tensor, device: torch.device) -> StatePages:
-    """Verify every run's checksum, then return the runs as views of `buf` (one copy per run if
-    `device` differs). A layer named twice, or with two page kinds, is refused here too."""
-    sums = block_sums(buf)
+def unpack(
+    request: RequestState, metas: list[RunMeta], buf: torch.Tensor, device: torch.device, sums: bytes | None = None
+) -> StatePages:
+    """Verify every run's checksum against `sums` (the block sums of the whole of `buf`; computed
+    here if None), then return the runs as views of `buf` (one copy per run if `device` differs).
+    The views keep all of `buf` alive, a coalesced message's other requests' bytes too."""
+    if sums is None:
+        sums = block_sums(buf)
     runs: list[PageRun] = []
-    by_name: dict[str, set[int]] = {}  # set operations, not a Python loop over 128 tensors
-    by_kind: dict[str, set[int]] = {}
     for m in metas:
-        header = _describe(m.layers, m.page_kind, m.name, _DTYPE_NAMES[m.dtype], m.shape, m.offset, m.nbytes)
-        got = tensor_checksum(sums, m.offset, m.nbytes, header)
+        got = zlib.crc32(sums[m.offset // BLOCK * 8 : align(m.offset + m.nbytes) // BLOCK * 8], m.header_crc)
         if got != m.checksum:
             raise FrameError(
                 f"checksum mismatch on {m.name!r} of layers {list(m.layers)}: computed {got:#010x}, "
                 f"sent {m.checksum:#010x}"
             )
-        named = by_name.setdefault(m.name, set())
-        clash = named.intersection(m.layers)
-        for kind, layers in by_kind.items():
-            if kind != m.page_kind:
-                clash |= layers.intersection(m.layers)
-        if clash:
-            raise FrameError(f"layers {sorted(clash)}: tensor {m.name!r} repeated or page kinds disagree")
-        named.update(m.layers)
-        by_kind.setdefault(m.page_kind, set()).update(m.layers)
         stacked = buf[m.offset : m.offset + m.nbytes].view(m.dtype).view(len(m.layers), *m.shape)
         runs.append(PageRun(m.page_kind, m.name, m.layers, stacked.to(device)))
     return StatePages(request, runs=runs)
-
-
-def _unpack_msgpack(raw: bytes, limit: int, what: str) -> Any:
-    if len(raw) > limit:
-        raise FrameError(f"{what} of {len(raw)} bytes exceeds the cap of {limit}")
-    try:
-        return msgpack.unpackb(raw, raw=False, strict_map_key=True, ext_hook=_no_ext)
-    except Exception as e:
-        raise FrameError(f"{what} is not valid msgpack: {type(e).__name__}: {e}") from e
-
-
-def _no_ext(code: int, data: bytes) -> object:
-    raise ValueError("ext types are not allowed in metadata")
-
-
-def parse_control(raw: bytes) -> Control:
-    c = _unpack_msgpack(raw, MAX_HEADER_BYTES, "control part")
-    if not isinstance(c, dict) or set(c) != _CONTROL_KEYS:
-        raise FrameError(f"control part must have exactly the keys {sorted(_CONTROL_KEYS)}: {c!r:.120}")
-    kind, gen, req_id, nbytes = c["kind"], c["gen"], c["req_id"], c["nbytes"]
-    if kind not in CONTROL_KINDS or type(req_id) is not str:
-        raise FrameError(f"control part: bad kind or req_id: {c!r:.120}")
-    if type(gen) is not int or type(nbytes) is not int or gen < 1 or nbytes < 0 or nbytes % BLOCK:
-        raise FrameError(f"control part: gen must be >= 1, nbytes a non-negative multiple of {BLOCK}: {c!r:.120}")
-    return Control(kind, gen, req_id, nbytes)
 
 
 def parse_request(header: bytes, payload: bytes, req_id: str) -> RequestState:
@@ -218,47 +208,62 @@ def parse_request(header: bytes, payload: bytes, req_id: str) -> RequestState:
     return RequestState(**frame.body)
 
 
-def parse_tensors(raw: bytes, total: int) -> list[RunMeta]:
-    """Each run's header, checked: types, dtype, len(layers) x shape x itemsize == nbytes, and the
-    runs tile [0, total) exactly, in order, each at the BLOCK-aligned end of the previous one."""
-    items = _unpack_msgpack(raw, _MAX_META_BYTES, "runs part")
+def parse_tensors(raw: bytes, start: int, end: int) -> list[RunMeta]:
+    """Each run's header, checked: types, dtype, len(layers) x shape x itemsize == nbytes, no layer
+    named twice or with two page kinds, and the runs tile [start, end) of the p2p message exactly,
+    in order, each at the BLOCK-aligned end of the previous one. Needs no byte of the message: the
+    receiver parses while they are still on the link."""
+    items = unpack_msgpack(raw, _MAX_META_BYTES, "runs part")
     if type(items) is not list:
         raise FrameError(f"runs part must be a msgpack list, got {type(items).__name__}")
-    metas, offset = [], 0
+    metas, offset = [], start
+    by_name: dict[str, set[int]] = {}  # set operations, not a Python loop over 128 tensors
+    by_kind: dict[str, set[int]] = {}
     for d in items:
-        if not isinstance(d, dict) or set(d) != _RUN_KEYS:
-            raise FrameError(f"run header must have exactly the keys {sorted(_RUN_KEYS)}: {d!r:.120}")
-        ints = [d[k] for k in ("offset", "nbytes", "checksum")]
-        if any(type(v) is not int or v < 0 for v in ints):
-            raise FrameError(f"run header: offset, nbytes, checksum must be non-negative ints: {d!r:.120}")
-        layers = d["layers"]
-        if (
-            type(layers) is not list
-            or not layers
-            or any(type(v) is not int or v < 0 for v in layers)
-            or any(a >= b for a, b in zip(layers, layers[1:], strict=False))
-        ):
-            raise FrameError(f"run header: layers must be a non-empty ascending list of layer numbers: {d!r:.120}")
-        if d["page_kind"] not in PAGE_KINDS or type(d["name"]) is not str or d["dtype"] not in DTYPES:
-            raise FrameError(f"run header: bad page_kind, name or dtype: {d!r:.120}")
-        shape = d["shape"]
-        if (
-            type(shape) is not list
-            or len(shape) > MAX_NDIM
-            or any(type(s) is not int or s < 0 for s in shape)
-        ):
-            raise FrameError(
-                f"run header: shape must be a list of <= {MAX_NDIM} non-negative ints: {shape!r:.80}"
-            )
-        dtype = DTYPES[d["dtype"]]
-        one = math.prod(shape) * dtype.itemsize
-        if one > MAX_PAYLOAD_BYTES or len(layers) * one != d["nbytes"]:
-            raise FrameError(f"run header: {len(layers)} layers x shape {shape} x {dtype.itemsize} B != nbytes {d['nbytes']}")
-        if d["offset"] != offset:
-            raise FrameError(f"run header: offset {d['offset']} but the previous run ended at {offset}")
-        offset += align(d["nbytes"])
-        metas.append(RunMeta(tuple(layers), d["page_kind"], d["name"], dtype, tuple(shape), d["offset"], d["nbytes"],
-                             d["checksum"]))
-    if offset != total:
-        raise FrameError(f"run headers cover {offset} bytes but the p2p message has {total}")
+        m = _run_meta(d, offset)
+        offset += align(m.nbytes)
+        named = by_name.setdefault(m.name, set())
+        clash = named.intersection(m.layers)
+        for kind, layers in by_kind.items():
+            if kind != m.page_kind:
+                clash |= layers.intersection(m.layers)
+        if clash:
+            raise FrameError(f"layers {sorted(clash)}: tensor {m.name!r} repeated or page kinds disagree")
+        named.update(m.layers)
+        by_kind.setdefault(m.page_kind, set()).update(m.layers)
+        metas.append(m)
+    if offset != end:
+        raise FrameError(f"run headers cover {offset - start} bytes but the request's part of the p2p message has "
+                         f"{end - start}")
     return metas
+
+
+def _run_meta(d: Any, offset: int) -> RunMeta:
+    """One run header, checked, expected at `offset`."""
+    if not isinstance(d, dict) or set(d) != _RUN_KEYS:
+        raise FrameError(f"run header must have exactly the keys {sorted(_RUN_KEYS)}: {d!r:.120}")
+    ints = [d[k] for k in ("offset", "nbytes", "checksum")]
+    if any(type(v) is not int or v < 0 for v in ints):
+        raise FrameError(f"run header: offset, nbytes, checksum must be non-negative ints: {d!r:.120}")
+    layers = d["layers"]
+    if (
+        type(layers) is not list
+        or not layers
+        or any(type(v) is not int or v < 0 for v in layers)
+        or any(a >= b for a, b in zip(layers, layers[1:], strict=False))
+    ):
+        raise FrameError(f"run header: layers must be a non-empty ascending list of layer numbers: {d!r:.120}")
+    if d["page_kind"] not in PAGE_KINDS or type(d["name"]) is not str or d["dtype"] not in DTYPES:
+        raise FrameError(f"run header: bad page_kind, name or dtype: {d!r:.120}")
+    shape = d["shape"]
+    if type(shape) is not list or len(shape) > MAX_NDIM or any(type(s) is not int or s < 0 for s in shape):
+        raise FrameError(f"run header: shape must be a list of <= {MAX_NDIM} non-negative ints: {shape!r:.80}")
+    dtype = DTYPES[d["dtype"]]
+    one = math.prod(shape) * dtype.itemsize
+    if one > MAX_PAYLOAD_BYTES or len(layers) * one != d["nbytes"]:
+        raise FrameError(f"run header: {len(layers)} layers x shape {shape} x {dtype.itemsize} B != nbytes {d['nbytes']}")
+    if d["offset"] != offset:
+        raise FrameError(f"run header: offset {d['offset']} but the previous run ended at {offset}")
+    header = _describe(layers, d["page_kind"], d["name"], d["dtype"], shape, offset, d["nbytes"])
+    return RunMeta(tuple(layers), d["page_kind"], d["name"], dtype, tuple(shape), offset, d["nbytes"], d["checksum"],
+                   zlib.crc32(header))

@@ -1,9 +1,10 @@
 """NcclReceiver: the decode side of the NCCL connector -- hosting the rendezvous, joining senders'
 generations, receiving and checking requests against the ReservationTable.
 
-See nccl_connector.py for the protocol. Every message read ends in exactly one of: a StatePages
-returned, a failure in the ledger (reservation cancelled where the message was authentic and named
-a live one), a silent drop (aborted here), or a pairing change (hello).
+See nccl_connector.py for the protocol. Every request of a data message read ends in exactly one
+of: a StatePages returned, a failure in the ledger (reservation cancelled where the message was
+authentic and named a live one), or a silent drop (aborted here); a hello changes the pairing, an
+abort releases one reservation.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ from __future__ import annotations
 import hmac
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,7 +20,9 @@ import zmq
 from pd_ssm.cache.pages import StatePages
 from pd_ssm.state_transfer.base import TransferStats
 from pd_ssm.state_transfer.ledger import TransferLedger
+from pd_ssm.state_transfer.nccl_checksum import PendingSums
 from pd_ssm.state_transfer.nccl_config import NcclConfig
+from pd_ssm.state_transfer.nccl_control import Control, parse_control
 from pd_ssm.state_transfer.nccl_group import (
     ADDRESS_KEY,
     GEN_KEY,
@@ -32,22 +33,10 @@ from pd_ssm.state_transfer.nccl_group import (
     host_store,
     split_tcp,
 )
-from pd_ssm.state_transfer.nccl_message import Control, parse_control, parse_request, parse_tensors, unpack
+from pd_ssm.state_transfer.nccl_inbound import Inbound
+from pd_ssm.state_transfer.nccl_message import unpack
 from pd_ssm.state_transfer.reservations import ReservationTable
 from pd_ssm.state_transfer.wire import FrameError
-
-
-@dataclass(slots=True)
-class _Incoming:
-    """A side-channel message read and, for data, its p2p recv posted."""
-
-    msg: list[bytes]
-    control: Control
-    authentic: bool
-    start: float  # time.monotonic() it was read
-    buf: torch.Tensor | None = None  # where its p2p bytes land
-    work: Any = None  # the posted recv, until it completed or failed
-    lost: str | None = None  # why its bytes cannot come
 
 
 class NcclReceiver:
@@ -71,7 +60,9 @@ class NcclReceiver:
         store.set(ADDRESS_KEY, self.address)
         self.rendezvous = f"tcp://{split_tcp(config.rendezvous)[0]}:{store.port}"
         self._store: dist.TCPStore | None = store
-        self._queue: deque[_Incoming] = deque()  # side-channel messages read, in order, not yet acted on
+        self._queue: deque[Inbound] = deque()  # side-channel messages read, in order, not yet acted on
+        # NCCL: block sums run here behind each recv, off the stream the decode engine computes on
+        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @property
     def paired(self) -> bool:
@@ -82,8 +73,10 @@ class NcclReceiver:
         while True:
             self._fill()
             if self._queue:
-                pages = self._finish(self._queue[0])  # stays queued meanwhile: lose_peer fails it too
-                self._queue.popleft()
+                head = self._queue[0]
+                pages = self._finish(head)  # one request of it; stays queued meanwhile: lose_peer fails it too
+                if head.done:
+                    self._queue.popleft()
                 if pages is not None:
                     return pages
             else:
@@ -114,7 +107,7 @@ class NcclReceiver:
     def _posted_bytes(self) -> int:
         return sum(i.buf.numel() for i in self._queue if i.buf is not None and i.work is not None)
 
-    def _read(self, msg: list[bytes]) -> _Incoming | None:
+    def _read(self, msg: list[bytes]) -> Inbound | None:
         """Parse the control part; for a data message, post its recv (always, to keep the stream in
         sync). None for a message that is dealt with here (unparsable control part)."""
         authentic = hmac.compare_digest(msg[0], self._token)
@@ -128,7 +121,7 @@ class NcclReceiver:
                 self.lose_peer(f"unreadable control part: {e}")
             self.ledger.fail_anonymous("malformed", f"side-channel message dropped: {e}")
             return None
-        item = _Incoming(msg, control, authentic, time.monotonic())
+        item = Inbound(msg, control, authentic, time.monotonic())
         if control.kind != "data":
             return item
         if self._group is None or control.gen != self._group.gen:
@@ -149,29 +142,49 @@ class NcclReceiver:
                 item.work = self._group.irecv(item.buf)
             except RuntimeError as e:
                 self._lost(item, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                return item
+            if self._side is not None:
+                item.sums = self._sums_behind_recv(item)
         return item
 
-    def _finish(self, item: _Incoming) -> StatePages | None:
-        """The next message in order: act on it, or wait for its bytes and check them."""
+    def _sums_behind_recv(self, item: Inbound) -> PendingSums:
+        """NCCL: the message's block sums queued on the side stream behind its recv (`Work.wait`
+        makes the current stream wait, not the host), so they run as the last byte lands instead
+        of after the host noticed and launched them; a recv that never completes (peer dead,
+        communicator aborted) can stall only that stream."""
+        assert self._side is not None and item.buf is not None
+        with torch.cuda.stream(self._side):
+            item.work.wait()
+            item.buf.record_stream(self._side)
+            return PendingSums(item.buf)
+
+    def _finish(self, item: Inbound) -> StatePages | None:
+        """The next message in order: act on it, or on the next of its requests -- waiting for its
+        bytes, then checking that request."""
         control = item.control
-        if control.kind == "hello":
-            self._hello(control, item.authentic)
-            return None
-        if control.kind == "abort":
-            if not item.authentic:  # an intruder must not cancel reservations
+        if control.kind != "data":
+            item.next = 1
+            if control.kind == "hello":
+                self._hello(control, item.authentic)
+            elif not item.authentic:  # an intruder must not cancel reservations
                 self.ledger.fail_anonymous("unauthenticated", f"abort of {control.req_id!r} with a wrong token")
             elif control.req_id in self.table:  # otherwise it arrived or failed already: nothing to undo
                 self._fail(control.req_id, "aborted by the sender")
             return None
         if item.work is not None:
+            if item.authentic:
+                item.parse()  # while its bytes are on the link
             self._wait(item)
-            self._fill()  # the next requests' recvs go on the link before this one is checked
+            self._fill()  # the next messages' recvs go on the link before this one is checked
         if not item.authentic:
+            item.next = len(control.req_ids)  # all of it dropped at once
             self.ledger.fail_anonymous("unauthenticated", (
-                f"request {control.req_id!r} with a wrong cluster token: {control.nbytes} bytes dropped"
+                f"request(s) {list(control.req_ids)!r:.200} with a wrong cluster token: {control.nbytes} bytes dropped"
             ))
             return None
-        req_id = control.req_id
+        i = item.next
+        item.next += 1
+        req_id, size = control.req_ids[i], control.sizes[i]
         if self.ledger.is_aborted(req_id):
             return None  # aborted here: dropped silently (the abort was the caller's own)
         ticket = self.table.get(req_id)
@@ -184,21 +197,21 @@ class NcclReceiver:
         if ticket.expired(self.table.clock()):
             self._fail(req_id, "its reservation expired before the pages arrived")
             return None
+        parsed = item.parse()[i]
         try:
-            if len(item.msg) != 5:
-                raise FrameError(f"a data message has 5 parts, this one {len(item.msg)}")
-            request = parse_request(item.msg[2], item.msg[3], req_id)
-            metas = parse_tensors(item.msg[4], control.nbytes)
+            if isinstance(parsed, str):
+                raise FrameError(parsed)
+            request, metas = parsed
             assert item.buf is not None
-            pages = unpack(request, metas, item.buf, self.recv_device)
+            pages = unpack(request, metas, item.buf, self.recv_device, item.block_sums())
         except FrameError as e:
             self._fail(req_id, f"bad metadata or bytes: {e}")
             return None
         self.table.complete(req_id)
-        self.ledger.received(TransferStats(req_id, control.nbytes, time.monotonic() - item.start))
+        self.ledger.received(TransferStats(req_id, size, time.monotonic() - item.start))
         return pages
 
-    def _wait(self, item: _Incoming) -> None:
+    def _wait(self, item: Inbound) -> None:
         """Until `item`'s recv completed (taking in and posting the next messages meanwhile, where
         the backend can be polled), or failed: then the peer is lost."""
         group, work = self._group, item.work
@@ -215,7 +228,7 @@ class NcclReceiver:
             self.lose_peer(f"p2p recv failed: {why}")
             item.lost = f"peer lost mid-transfer ({item.control.nbytes} B): {why}"
 
-    def _lost(self, item: _Incoming, why: str) -> None:
+    def _lost(self, item: Inbound, why: str) -> None:
         self.lose_peer(f"p2p recv failed: {why}")
         item.lost = f"peer lost mid-transfer ({item.control.nbytes} B): {why}"
 

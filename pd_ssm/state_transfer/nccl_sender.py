@@ -4,14 +4,17 @@ See nccl_connector.py for the protocol. A sender is paired with exactly one rece
 after its peer is lost it fails what was in flight, holds no buffer, and re-pairs on the next
 `send` (or an explicit `pair`).
 
-`send` never waits for the device: it queues the pack kernels and the block sums, posts the p2p
-send at once (NCCL orders it after the pack on the stream; the receiver's recv may come later) and
-leaves the request "sealing". Its metadata -- which needs the sums on the host for the checksums
--- goes out once they are there, in posting order (every `send`, `reap` and `flush` pushes out
-what is ready), so the host packs the next request while the device packs and the link carries
-the previous ones. The side channel and the p2p stream carry requests in the same order; a
-metadata message the receiver does not take within `send_timeout` therefore breaks the stream:
-the pairing is dropped, failing what was in flight.
+`send` never waits for the device. A request that finds the link idle goes out at once; one that
+comes while an earlier message is still on its way is held and coalesced with the others held
+into one data message (nccl_batch.py says when, and why that costs a lone request nothing). A
+message is posted by queueing its layout kernels, posting its p2p send (NCCL orders it after the
+layout on the stream; the receiver's recv may come later) and queueing its block sums; it is then
+"sealing". Its metadata -- which needs the sums on the host for the checksums -- goes out once
+they are there, in posting order (every `send`, `reap` and `flush` pushes out what is ready), so
+the host packs the next message while the device packs and the link carries the previous ones.
+The side channel and the p2p stream carry messages in the same order; a metadata message the
+receiver does not take within `send_timeout` therefore breaks the stream: the pairing is dropped,
+failing what was in flight.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import torch
 import torch.distributed as dist
 import zmq
@@ -29,8 +31,10 @@ import zmq
 from pd_ssm.cache.pages import StatePages
 from pd_ssm.state_transfer.base import Ticket, TransferStats
 from pd_ssm.state_transfer.ledger import TransferLedger
-from pd_ssm.state_transfer.nccl_checksum import PendingSums
+from pd_ssm.state_transfer.nccl_batch import OutBatch
+from pd_ssm.state_transfer.nccl_coalesce import Coalescer, Queued
 from pd_ssm.state_transfer.nccl_config import NcclConfig
+from pd_ssm.state_transfer.nccl_control import Control
 from pd_ssm.state_transfer.nccl_group import (
     ADDRESS_KEY,
     GEN_KEY,
@@ -40,8 +44,6 @@ from pd_ssm.state_transfer.nccl_group import (
     join_store,
     split_tcp,
 )
-from pd_ssm.state_transfer.nccl_message import Control, layout, seal_sums
-from pd_ssm.state_transfer.wire import encode_request
 
 _PROBE_TIMEOUT = 1.0  # seconds a liveness probe of the rendezvous store may take
 _REAP_PROBE_S = 0.02  # seconds between the store probes of `reap` (flush always probes)
@@ -49,21 +51,14 @@ _REAP_PROBE_S = 0.02  # seconds between the store probes of `reap` (flush always
 
 @dataclass(slots=True)
 class _Outgoing:
-    req_id: str
-    work: Any  # torch.distributed Work of the p2p send
-    buf: torch.Tensor  # kept alive until the send completed
-    start: float  # time.monotonic()
+    """A posted data message."""
 
-
-@dataclass(slots=True)
-class _Sealing:
-    """A request whose p2p send is posted and whose metadata waits for its block sums."""
-
-    req_id: str
-    parts: list[bytes | memoryview]  # [token, control, request header, request payload]; the runs part last
-    metas: list[dict[str, Any]]
-    sums: PendingSums
-    empty_since: float | None  # a request with no bytes: sent once its metadata is out (its start)
+    req_ids: list[str]
+    sizes: list[int]  # each request's bytes in `buf`
+    starts: list[float]  # time.monotonic() of each request's send
+    buf: torch.Tensor  # kept alive until the p2p send completed
+    work: Any  # torch.distributed Work of the p2p send; None: no bytes, sent once its metadata is out
+    batch: OutBatch | None  # its metadata, until sent (None: posted whole by `post`)
 
 
 class NcclSender:
@@ -78,8 +73,12 @@ class NcclSender:
         self._push: zmq.Socket | None = None
         self._group: PeerGroup | None = None
         self._probe: dist.TCPStore | None = None  # the receiver's store, with a short timeout
-        self._pending: list[_Outgoing] = []  # FIFO: p2p sends complete in posting order
-        self._sealing: deque[_Sealing] = deque()  # posted, metadata not sent yet; FIFO
+        # taken by `send`, not posted yet: the next message's requests. NOTE: within both caps, so
+        # a coalesced message never exceeds what the receiver takes
+        self._held = Coalescer(min(config.coalesce_bytes, config.max_message_bytes))
+        self._pending: deque[_Outgoing] = deque()  # p2p sends posted; they complete in posting order
+        self._sealing: deque[_Outgoing] = deque()  # posted, metadata not sent yet; FIFO
+        self._lost = "peer lost"  # why the last pairing went (a request held meanwhile fails with it)
         self._probed = 0.0  # time.monotonic() of reap's last store probe
 
     @property
@@ -88,8 +87,10 @@ class NcclSender:
 
     @property
     def in_flight(self) -> int:
-        """p2p sends posted and not yet completed (each holds its buffer)."""
-        return len(self._pending)
+        """Requests taken by `send` whose send has not completed: held for the next message, or
+        posted (their message holds its buffer until its p2p send completed)."""
+        posted = {id(o): len(o.req_ids) for o in (*self._pending, *self._sealing)}  # a message may be in both
+        return len(self._held) + sum(posted.values())
 
     def pair(self, rendezvous: str | None = None) -> None:
         if rendezvous is not None:
@@ -103,7 +104,7 @@ class NcclSender:
             self._close_push()
             self._push = self._socket(address)
             try:
-                self._push.send_multipart([self._token, Control("hello", gen, "", 0).encode()])
+                self._push.send_multipart([self._token, Control.hello(gen).encode()])
             except zmq.Again:
                 raise RuntimeError(f"receiver {address} did not take the hello within {self.config.send_timeout} s") from None
             group = PeerGroup(store, gen, SENDER_RANK, self.device, self.config.timeout)
@@ -125,86 +126,120 @@ class NcclSender:
                 f"ticket of {ticket.req_id!r} names {ticket.address}, but this connector is paired with "
                 f"the receiver at {self.address}: one NcclConnector per receiver"
             )
-        start = time.monotonic()
-        buf, metas = layout(pages, self.device)
-        sums = PendingSums(buf)
-        req_header, req_payload = encode_request(pages.request)
-        assert self._group is not None
-        control = Control("data", self._group.gen, pages.req_id, buf.numel()).encode()
-        if buf.numel() and not self._isend(pages.req_id, buf, start):
-            return
-        parts: list[bytes | memoryview] = [self._token, control, req_header, req_payload]
-        self._sealing.append(_Sealing(pages.req_id, parts, metas, sums, None if buf.numel() else start))
+        full = self._held.add(Queued(pages, time.monotonic(), pages.nbytes()))
+        if full:
+            self._post(full)  # the held ones go, this one starts the next message
+        if not self._link_busy():
+            self._post(self._held.take())
         self._seal(wait=False)
 
+    def _link_busy(self) -> bool:
+        """Whether an earlier message is still on its way: metadata not out yet, or (NCCL) its p2p
+        send not completed. Gloo cannot tell: any send posted and not flushed counts as busy."""
+        if self._sealing:
+            return True
+        if not self._pending or self._group is None:
+            return False
+        return self._group.done(self._pending[-1].work) is not True
+
+    def _post(self, held: list[Queued]) -> None:
+        """Post `held` as ONE data message: layout, p2p send, block sums queued."""
+        if not held:
+            return
+        if self._group is None:  # the pairing went while they were held
+            for q in held:
+                self.ledger.fail(q.pages.req_id, self._lost)
+            return
+        try:
+            batch = OutBatch(held, self.device, self._group.gen)
+        except ValueError as e:  # a tensor whose dtype cannot go on the wire: that request alone fails
+            if len(held) == 1:
+                self.ledger.fail(held[0].pages.req_id, str(e))
+                return
+            for q in held:
+                self._post([q])
+            return
+        out = _Outgoing(batch.req_ids, batch.sizes, batch.starts, batch.buf, None, batch)
+        if self._isend(out):
+            batch.queue_sums()
+            self._sealing.append(out)
+
+    def _isend(self, out: _Outgoing) -> bool:
+        """Post the p2p send of `out`'s buffer (none for an empty one); False if the peer is gone."""
+        if out.buf.numel() == 0:
+            return True
+        assert self._group is not None
+        try:
+            out.work = self._group.isend(out.buf)
+        except RuntimeError as e:  # gloo refuses at once on a pair whose peer is gone
+            for req_id in out.req_ids:
+                self.ledger.fail(req_id, f"peer lost: {e}")
+            self.lose_peer(f"peer lost: {e}")
+            return False
+        self._pending.append(out)
+        return True
+
     def _seal(self, wait: bool) -> None:
-        """Send the metadata of every sealing request whose sums are on the host, in order (all of
+        """Send the metadata of every sealing message whose sums are on the host, in order (all of
         them with `wait`). A refused one breaks the stream (its bytes are posted): peer lost."""
         while self._sealing and self._push is not None:
             head = self._sealing[0]
-            if not wait and not head.sums.ready():
+            assert head.batch is not None
+            if not wait and not head.batch.ready():
                 return
-            seal_sums(head.metas, head.sums.wait())
+            parts = head.batch.parts(self._token)
+            head.batch = None  # the request frames and run headers are not needed any more
             self._sealing.popleft()
             try:
-                self._push.send_multipart([*head.parts, msgpack.packb(head.metas, use_bin_type=True)])
+                self._push.send_multipart(parts)
             except zmq.Again:
                 why = f"peer {self.address} did not take the metadata within {self.config.send_timeout} s"
-                self.ledger.fail(head.req_id, why)
+                if head.work is None:  # not in _pending: lose_peer would not fail it
+                    for req_id in head.req_ids:
+                        self.ledger.fail(req_id, why)
                 self.lose_peer(why)
                 return
-            if head.empty_since is not None:
-                self.ledger.sent(TransferStats(head.req_id, 0, time.monotonic() - head.empty_since))
+            if head.work is None:
+                self._complete(head)
 
-    def _isend(self, req_id: str, buf: torch.Tensor, start: float) -> bool:
-        assert self._group is not None
-        try:
-            work = self._group.isend(buf)
-        except RuntimeError as e:  # gloo refuses at once on a pair whose peer is gone
-            self.ledger.fail(req_id, f"peer lost: {e}")
-            self.lose_peer(f"peer lost: {e}")
-            return False
-        self._pending.append(_Outgoing(req_id, work, buf, start))
-        return True
-
-    def post(self, req_id: str, parts: list[bytes | memoryview], buf: torch.Tensor, start: float) -> None:
-        """Metadata parts out, then the p2p send of `buf` (none for an empty request). Public so
-        fault tests can post a message they mangled; `send` is the way to post a request."""
+    def post(self, req_ids: list[str], parts: list[Any], buf: torch.Tensor, start: float) -> None:
+        """Metadata parts out, then the p2p send of `buf`, after everything sent before. Public so
+        fault tests can post a message they mangled; `send` is the way to post requests."""
+        self._post(self._held.take())
+        self._seal(wait=True)
         if self._push is None or self._group is None:
             raise RuntimeError("this NcclConnector is not paired: call pair() first")
+        n = len(req_ids)
+        out = _Outgoing(req_ids, [buf.numel() // max(1, n)] * n, [start] * n, buf, None, None)
         try:
             self._push.send_multipart(parts)
         except zmq.Again:
-            self.ledger.fail(req_id, f"peer {self.address} did not take the metadata within {self.config.send_timeout} s")
+            for req_id in req_ids:
+                self.ledger.fail(req_id, f"peer {self.address} did not take the metadata within {self.config.send_timeout} s")
             return
-        if buf.numel() == 0:
-            self.ledger.sent(TransferStats(req_id, 0, time.monotonic() - start))
-            return
-        try:
-            work = self._group.isend(buf)
-        except RuntimeError as e:  # gloo refuses at once on a pair whose peer is gone
-            self.ledger.fail(req_id, f"peer lost: {e}")
-            self.lose_peer(f"peer lost: {e}")
-            return
-        self._pending.append(_Outgoing(req_id, work, buf, start))
+        if self._isend(out) and out.work is None:
+            self._complete(out)
 
     def abort(self, req_id: str) -> None:
         """Tell the receiver to release the reservation of `req_id` now rather than at its expiry.
-        Best effort: a send already posted has its bytes on the stream regardless, and its metadata
-        goes out first (waiting for its sums, if it is still sealing) so the receiver reads them in
-        order; the abort itself never blocks."""
+        Held, it never leaves (the others held go out now). Best effort once posted: its bytes are
+        on the stream regardless, and its message's metadata goes out first (waiting for its sums
+        if it is still sealing) so the receiver reads them in order; the abort never blocks."""
+        self._held.drop(req_id)
         if self._push is None or self._group is None:
             return
+        self._post(self._held.take())
         self._seal(wait=True)  # its metadata first, if it is still sealing: the side channel keeps order
         if self._push is None or self._group is None:
             return
         try:
-            self._push.send_multipart([self._token, Control("abort", self._group.gen, req_id, 0).encode()], zmq.NOBLOCK)
+            self._push.send_multipart([self._token, Control.abort(self._group.gen, req_id).encode()], zmq.NOBLOCK)
         except zmq.Again:
             pass  # the receiver's expiry frees the reservation instead
 
     def flush(self, timeout: float) -> bool:
         end = time.monotonic() + timeout
+        self._post(self._held.take())
         self._seal(wait=True)  # the receiver posts a recv only once it has the metadata
         # NOTE: probe first: a gloo send whose receiver died before posting its recv is never
         # failed by gloo, and a gloo wait cannot be sliced (a timed-out wait ends the Work)
@@ -215,14 +250,16 @@ class NcclSender:
             if why is not None:
                 self.lose_peer(f"p2p send failed: {why}")
                 break
-            self._complete()
+            self._complete(self._pending.popleft())
         self._check_dropped()  # and after: the receiver may have dropped what it just read
         return not self._pending
 
     def reap(self) -> None:
-        """Report completed sends without blocking where the backend can tell (NCCL); a send older
-        than `timeout` means the peer is gone. Also notices a pairing the receiver dropped (a store
-        round trip, ~0.1-0.2 ms: at most every _REAP_PROBE_S, since a worker loop reaps each turn)."""
+        """Post what is held, report completed sends without blocking where the backend can tell
+        (NCCL); a send older than `timeout` means the peer is gone. Also notices a pairing the
+        receiver dropped (a store round trip, ~0.1-0.2 ms: at most every _REAP_PROBE_S, since a
+        worker loop reaps each turn)."""
+        self._post(self._held.take())
         self._seal(wait=False)
         now = time.monotonic()
         if now - self._probed >= _REAP_PROBE_S:
@@ -231,14 +268,14 @@ class NcclSender:
         while self._pending and self._group is not None:
             out = self._pending[0]
             if not self._group.done(out.work):
-                if time.monotonic() - out.start > self.config.timeout:
+                if time.monotonic() - out.starts[-1] > self.config.timeout:
                     self.lose_peer(f"p2p send not completed within {self.config.timeout} s")
                 return
             why = self._group.wait(out.work, self.config.timeout)  # completed: surfaces its error
             if why is not None:
                 self.lose_peer(f"p2p send failed: {why}")
                 return
-            self._complete()
+            self._complete(self._pending.popleft())
 
     def _check_dropped(self) -> None:
         """One store round trip: did the receiver drop our generation (then re-pair on next send)?"""
@@ -253,18 +290,23 @@ class NcclSender:
         if dropped:
             self.lose_peer(f"the receiver dropped the pairing ({reason})")
 
-    def _complete(self) -> None:
-        out = self._pending.pop(0)
-        self.ledger.sent(TransferStats(out.req_id, out.buf.numel(), time.monotonic() - out.start))
+    def _complete(self, out: _Outgoing) -> None:
+        now = time.monotonic()
+        for req_id, size, start in zip(out.req_ids, out.sizes, out.starts, strict=True):
+            self.ledger.sent(TransferStats(req_id, size, now - start))
 
     def lose_peer(self, reason: str) -> None:
-        """Fail every send in flight (aborted ones silently) and tear the group down; the peer's
-        pending ops then fail too, so it notices at once."""
-        for out in self._pending:
-            if not self.ledger.is_aborted(out.req_id):
-                self.ledger.fail(out.req_id, reason)
+        """Fail every request in flight -- held, sealing, posted -- (aborted ones silently) and tear
+        the group down; the peer's pending ops then fail too, so it notices at once."""
+        self._lost = reason
+        req_ids = [q.pages.req_id for q in self._held.take()]
+        for out in {id(o): o for o in (*self._pending, *self._sealing)}.values():  # a message may be in both
+            req_ids += out.req_ids
+        for req_id in req_ids:
+            if not self.ledger.is_aborted(req_id):
+                self.ledger.fail(req_id, reason)
         self._pending.clear()
-        self._sealing.clear()  # each had its p2p send in _pending: failed above
+        self._sealing.clear()
         if self._group is not None:
             self._group.close()
             self._group = None

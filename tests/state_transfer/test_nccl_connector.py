@@ -181,24 +181,28 @@ IN_FLIGHT = 64
 def _send_many(tx: NcclConnector) -> None:
     for i in range(IN_FLIGHT):
         tx.send(make_pages(f"m{i}", torch.bfloat16 if i % 2 else torch.float32, i), ticket(tx, f"m{i}"))
-    assert tx.in_flight == IN_FLIGHT  # nothing waited: every request is on the wire at once
+    assert tx.in_flight == IN_FLIGHT  # nothing waited: every request is on the wire or held for it
     assert tx.flush(15.0) and tx.in_flight == 0
     assert tx.get_finished()[0] == {f"m{i}" for i in range(IN_FLIGHT)} and tx.get_failed() == {}
 
 
-@pytest.mark.parametrize("window", ["default", "one request"])
+@pytest.mark.parametrize("window", ["default", "one message"])
 def test_64_requests_in_flight_arrive_exact_and_nothing_leaks(window: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The receiver posts the next requests' recvs while it checks one (up to recv_window bytes;
-    always at least one): exact either way."""
-    posted: list[int] = []  # bytes posted each time the receiver starts on the next message
+    """The sender coalesces requests sent while the link is busy into few messages; the receiver
+    posts the next messages' recvs while it checks one (up to recv_window bytes; always at least
+    one): exact either way."""
+    posted: list[tuple[int, int]] = []  # (bytes, messages) posted each time the receiver acts on a message
     slept: list[bool] = []
+    messages: set[int] = set()
     finish = NcclReceiver._finish
 
     def spy(self: NcclReceiver, item: Any) -> Any:
         if item.control.kind == "data" and not slept:
             slept.append(True)
             time.sleep(1.0)  # the sender posts all 64 without waiting for us: they are there after this
-        posted.append(self._posted_bytes())
+        if item.control.kind == "data":
+            messages.add(id(item))
+        posted.append((self._posted_bytes(), self.in_flight))
         return finish(self, item)
 
     monkeypatch.setattr(NcclReceiver, "_finish", spy)
@@ -212,10 +216,11 @@ def test_64_requests_in_flight_arrive_exact_and_nothing_leaks(window: str, monke
     with pair(table, _send_many, recv_window=1 << 30 if window == "default" else 1) as rx:
         got, failed = collect(rx, IN_FLIGHT)
         assert rx.in_flight == 0  # every posted recv was handed out
-        if window == "default":
-            assert max(posted) > 4 * one, posted  # several requests on the link at once
-        else:
-            assert 0 < max(posted) <= one  # one request at a time
+        # the first goes alone (the link was idle), the 63 sent while it was on its way in one message
+        assert len(messages) == 2, len(messages)
+        assert max(b for b, _ in posted) > 4 * one, posted  # several requests on the link at once
+        if window == "one message":
+            assert max(n for _, n in posted) == 1  # one message at a time
         assert failed == {} and len(got) == IN_FLIGHT
         for i in range(IN_FLIGHT):
             assert_same(make_pages(f"m{i}", torch.bfloat16 if i % 2 else torch.float32, i), got[f"m{i}"])

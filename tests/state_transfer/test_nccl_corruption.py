@@ -15,7 +15,8 @@ import torch
 
 from pd_ssm.state_transfer.nccl_checksum import BLOCK
 from pd_ssm.state_transfer.nccl_connector import NcclConnector
-from pd_ssm.state_transfer.nccl_message import Control, pack, seal
+from pd_ssm.state_transfer.nccl_control import Control
+from pd_ssm.state_transfer.nccl_message import pack, seal
 from pd_ssm.state_transfer.reservations import ReservationTable
 from pd_ssm.state_transfer.wire import encode_request
 from tests.state_transfer.test_nccl_connector import (
@@ -39,7 +40,7 @@ def _message(tx: NcclConnector, req_id: str) -> tuple[Parts, list[dict[str, Any]
     buf, metas = pack(pages, torch.device("cpu"))
     header, payload = encode_request(pages.request)
     gen = tx._tx._group.gen  # type: ignore[union-attr]
-    return [TOKEN.encode(), Control("data", gen, req_id, buf.numel()).encode(), header, payload, None], metas, buf
+    return [TOKEN.encode(), Control.data(gen, [req_id], [buf.numel()]).encode(), header, payload, None], metas, buf
 
 
 def _send_mangled_then_good(mangle: Mangle, tx: NcclConnector) -> None:
@@ -47,7 +48,7 @@ def _send_mangled_then_good(mangle: Mangle, tx: NcclConnector) -> None:
     parts, buf = mangle(parts, metas, buf)
     if len(parts) == 5 and parts[4] is None:
         parts[4] = msgpack.packb(metas, use_bin_type=True)
-    tx._tx.post("bad", parts, buf, time.monotonic())  # type: ignore[union-attr]
+    tx._tx.post(["bad"], parts, buf, time.monotonic())  # type: ignore[union-attr]
     tx.send(make_pages("good", torch.bfloat16, seed=2), ticket(tx, "good"))
 
 
@@ -81,7 +82,7 @@ def claim_fewer_bytes(parts: Parts, metas: list[dict[str, Any]], buf: torch.Tens
 
 def control_claims_more(parts: Parts, metas: list[dict[str, Any]], buf: torch.Tensor) -> tuple[Parts, torch.Tensor]:
     c = msgpack.unpackb(parts[1])  # gloo delivers the shorter message into the larger buffer
-    parts[1] = Control(c["kind"], c["gen"], c["req_id"], c["nbytes"] + BLOCK).encode()
+    parts[1] = Control.data(c["gen"], c["req_ids"], [c["sizes"][0] + BLOCK]).encode()
     return parts, buf
 
 
@@ -164,7 +165,7 @@ def _truncated_control_then_good(tx: NcclConnector) -> None:
     parts, metas, buf = _message(tx, "bad")
     parts[1] = parts[1][:-3]
     parts[4] = msgpack.packb(metas, use_bin_type=True)
-    tx._tx.post("bad", parts, buf, time.monotonic())  # type: ignore[union-attr]
+    tx._tx.post(["bad"], parts, buf, time.monotonic())  # type: ignore[union-attr]
     tx.flush(10.0)  # gloo: done once the bytes are in the socket, whatever the receiver did
     end = time.monotonic() + 10.0
     while tx.paired and time.monotonic() < end:  # the receiver could not size it: it drops the pairing

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from pd_ssm.state_transfer.nccl_checksum import BLOCK, align, block_sums
-from pd_ssm.state_transfer.nccl_message import Control, pack, parse_control, parse_tensors, unpack
+from pd_ssm.state_transfer.nccl_control import Control, parse_control
+from pd_ssm.state_transfer.nccl_message import pack, parse_tensors, unpack
 from pd_ssm.state_transfer.wire import FrameError
 from tests.state_transfer.test_nccl_connector import assert_same, make_pages
 
@@ -20,7 +21,7 @@ def test_pack_aligns_every_run_and_unpack_returns_views() -> None:
     assert [(m["name"], m["layers"]) for m in metas] == [("conv", [0, 2]), ("ssm", [0, 2]), ("k", [1]), ("v", [1])]
     assert buf.numel() % BLOCK == 0 and all(m["offset"] % BLOCK == 0 for m in metas)
     assert buf.numel() == sum(align(m["nbytes"]) for m in metas)
-    got = unpack(pages.request, parse_tensors(msgpack.packb(metas), buf.numel()), buf, torch.device("cpu"))
+    got = unpack(pages.request, parse_tensors(msgpack.packb(metas), 0, buf.numel()), buf, torch.device("cpu"))
     assert_same(pages, got)
     ssm = got.layers[2].tensors["ssm"]
     assert ssm.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()  # a view, no copy
@@ -42,7 +43,7 @@ def test_block_sums_are_exact_integers() -> None:
 
 
 @pytest.mark.parametrize(
-    "field,value", [("layers", [1, 2]), ("name", "k"), ("dtype", "float16"), ("shape", [47, 3])]
+    "field,value", [("layers", [0, 3]), ("name", "k"), ("dtype", "float16"), ("shape", [47, 3])]
 )
 def test_checksum_covers_the_run_header(field: str, value: object) -> None:
     pages = make_pages("r", torch.bfloat16, seed=12)
@@ -53,17 +54,24 @@ def test_checksum_covers_the_run_header(field: str, value: object) -> None:
     else:
         meta[field] = value
     with pytest.raises(FrameError, match="checksum mismatch"):
-        unpack(pages.request, parse_tensors(msgpack.packb(metas), buf.numel()), buf, torch.device("cpu"))
+        unpack(pages.request, parse_tensors(msgpack.packb(metas), 0, buf.numel()), buf, torch.device("cpu"))
 
 
 def test_control_part_is_strict() -> None:
-    c = Control("data", 3, "r1", 2 * BLOCK)
-    assert parse_control(c.encode()) == c
+    c = Control.data(3, ["r1", "r2"], [2 * BLOCK, 0])
+    assert parse_control(c.encode()) == c and c.nbytes == 2 * BLOCK
+    assert parse_control(Control.hello(2).encode()) == Control.hello(2)
+    assert parse_control(Control.abort(2, "r1").encode()).req_id == "r1"
     for bad in (
-        Control("data", 0, "r1", BLOCK).encode(),  # generations start at 1
-        Control("data", 1, "r1", BLOCK + 1).encode(),  # the buffer is whole blocks
-        Control("shout", 1, "r1", 0).encode(),
-        msgpack.packb({"kind": "data", "gen": 1, "req_id": "r1"}),
+        Control.data(0, ["r1"], [BLOCK]).encode(),  # generations start at 1
+        Control.data(1, ["r1"], [BLOCK + 1]).encode(),  # a request's part is whole blocks
+        Control.data(1, ["r1", "r2"], [BLOCK]).encode(),  # one size per request
+        Control.data(1, [], []).encode(),  # a data message carries a request
+        Control("abort", 1, ("r1",), (BLOCK,)).encode(),  # an abort carries no bytes
+        Control("hello", 1, ("r1",), (0,)).encode(),
+        Control("shout", 1, ("r1",), (0,)).encode(),
+        msgpack.packb({"kind": "data", "gen": 1, "req_ids": ["r1"]}),
+        msgpack.packb({"kind": "data", "gen": 1, "req_ids": [1], "sizes": [0]}),
         c.encode()[:-2],
     ):
         with pytest.raises(FrameError):
@@ -85,7 +93,7 @@ def test_run_layers_are_checked(edit: dict[str, object]) -> None:
     buf, metas = pack(pages, torch.device("cpu"))
     metas[0].update(edit)
     with pytest.raises(FrameError, match="layers"):
-        parse_tensors(msgpack.packb(metas), buf.numel())
+        parse_tensors(msgpack.packb(metas), 0, buf.numel())
 
 
 def test_a_layer_claimed_by_two_runs_is_refused() -> None:
@@ -96,4 +104,4 @@ def test_a_layer_claimed_by_two_runs_is_refused() -> None:
 
     seal(metas, buf)  # a consistent sender bug, not line noise: the checksums agree
     with pytest.raises(FrameError, match="repeated"):
-        unpack(pages.request, parse_tensors(msgpack.packb(metas), buf.numel()), buf, torch.device("cpu"))
+        unpack(pages.request, parse_tensors(msgpack.packb(metas), 0, buf.numel()), buf, torch.device("cpu"))

@@ -104,7 +104,7 @@ def test_a_message_too_large_to_take_drops_the_pairing_not_the_receiver() -> Non
     and the stream would misalign), and the sender's next request goes through a new pairing."""
     import zmq
 
-    from pd_ssm.state_transfer.nccl_message import Control
+    from pd_ssm.state_transfer.nccl_control import Control
 
     table = ReservationTable(ttl=60.0, token=TOKEN)
     reserve(table, "good")
@@ -118,7 +118,7 @@ def test_a_message_too_large_to_take_drops_the_pairing_not_the_receiver() -> Non
         ctx = zmq.Context()
         push = ctx.socket(zmq.PUSH)
         push.connect(rx.address or "")
-        push.send_multipart([b"forged", Control("data", gen, "huge", 1 << 40).encode()])
+        push.send_multipart([b"forged", Control.data(gen, ["huge"], [1 << 40]).encode()])
         got = None
         failed: dict[str, str] = {}
         while got is None and time.monotonic() < end + 15.0:

@@ -1,0 +1,59 @@
+"""Coalescer: which requests the NCCL sender puts into one data message (nccl_batch.py says why).
+
+Pure bookkeeping, no tensors: the requests `send` took while the link was busy, in order, and
+their bytes. A request that would take the held bytes past `cap` first sends the held ones on
+their way (`add` returns them), so a message stays within the cap unless one request alone is
+larger. The sender takes everything held when the link is idle or at its next call that is not
+a `send`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pd_ssm.cache.pages import StatePages
+
+
+@dataclass(slots=True)
+class Queued:
+    """A request `send` took and has not posted yet."""
+
+    pages: StatePages
+    start: float  # time.monotonic() of its send: its TransferStats count from there
+    nbytes: int  # its tensor bytes (what the cap counts)
+
+
+class Coalescer:
+    def __init__(self, cap: int) -> None:
+        if cap <= 0:
+            raise ValueError(f"coalescing cap must be > 0 bytes, got {cap}")
+        self.cap = cap
+        self._held: list[Queued] = []
+        self._bytes = 0  # NOTE: == sum(q.nbytes for q in self._held)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    @property
+    def req_ids(self) -> list[str]:
+        return [q.pages.req_id for q in self._held]
+
+    def add(self, item: Queued) -> list[Queued]:
+        """Hold `item`; returns the requests held before it if it would take them past the cap
+        (they must go out first, as one message), else []."""
+        full = self.take() if self._held and self._bytes + item.nbytes > self.cap else []
+        self._held.append(item)
+        self._bytes += item.nbytes
+        return full
+
+    def take(self) -> list[Queued]:
+        """Everything held, in order; none is held after."""
+        held, self._held, self._bytes = self._held, [], 0
+        return held
+
+    def drop(self, req_id: str) -> bool:
+        """Forget a held request (aborted before it left); whether it was held."""
+        kept = [q for q in self._held if q.pages.req_id != req_id]
+        dropped = len(kept) != len(self._held)
+        self._held, self._bytes = kept, sum(q.nbytes for q in kept)
+        return dropped

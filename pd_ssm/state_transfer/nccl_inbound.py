@@ -1,0 +1,76 @@
+"""Inbound: one side-channel message the NCCL receiver has read -- for data, its p2p recv posted,
+its requests parsed while their bytes are on the link, then acted on one request at a time.
+
+A data message may carry several requests (coalesced by the sender, nccl_batch.py). What needs
+no byte of the message -- each request frame and run-header list, checked -- is parsed once, as
+soon as the recv is posted, so that after the last byte lands only the block sums of the whole
+buffer (one pass) and, per request, a crc32 per run and the views are left. Each request then
+ends on its own: handed out, or failed with its own reason (a corrupt request does not take its
+siblings with it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pd_ssm.cache.pages import RequestState
+from pd_ssm.state_transfer.nccl_checksum import PendingSums
+from pd_ssm.state_transfer.nccl_control import PARTS_PER_REQUEST, Control
+from pd_ssm.state_transfer.nccl_message import RunMeta, parse_request, parse_tensors
+from pd_ssm.state_transfer.wire import FrameError
+
+Parsed = tuple[RequestState, list[RunMeta]] | str  # a request's frame and runs, or why they are refused
+
+
+@dataclass(slots=True)
+class Inbound:
+    msg: list[bytes]
+    control: Control
+    authentic: bool
+    start: float  # time.monotonic() it was read
+    buf: torch.Tensor | None = None  # where its p2p bytes land
+    work: Any = None  # the posted recv, until it completed or failed
+    lost: str | None = None  # why its bytes cannot come
+    sums: PendingSums | None = None  # block sums of `buf` (NCCL: queued behind the recv)
+    parsed: list[Parsed] | None = None
+    next: int = 0  # the next of its requests to act on
+
+    @property
+    def done(self) -> bool:
+        """Every request of it acted on (a hello or an abort: itself)."""
+        return self.next >= max(1, len(self.control.req_ids)) if self.control.kind == "data" else self.next >= 1
+
+    def parse(self) -> list[Parsed]:
+        """Each request's frame and run headers, checked against its part of the buffer; once."""
+        if self.parsed is None:
+            self.parsed = parse_requests(self.msg, self.control)
+        return self.parsed
+
+    def block_sums(self) -> bytes:
+        """The block sums of the whole buffer (computed here on the CPU, where nothing queued them)."""
+        assert self.buf is not None
+        if self.sums is None:
+            self.sums = PendingSums(self.buf)
+        return self.sums.wait()
+
+
+def parse_requests(msg: list[bytes], control: Control) -> list[Parsed]:
+    """[token, control, then per request: header, payload, runs] -> one Parsed per request of
+    `control`; the k-th request's runs must tile [sum(sizes[:k]), sum(sizes[:k + 1]))."""
+    k = len(control.req_ids)
+    want = 2 + PARTS_PER_REQUEST * k
+    if len(msg) != want:
+        return [f"a data message of {k} request(s) has {want} parts, this one {len(msg)}"] * k
+    out: list[Parsed] = []
+    offset = 0
+    for i, (req_id, size) in enumerate(zip(control.req_ids, control.sizes, strict=True)):
+        header, payload, runs = msg[2 + PARTS_PER_REQUEST * i : 2 + PARTS_PER_REQUEST * (i + 1)]
+        try:
+            out.append((parse_request(header, payload, req_id), parse_tensors(runs, offset, offset + size)))
+        except FrameError as e:
+            out.append(str(e))
+        offset += size
+    return out
