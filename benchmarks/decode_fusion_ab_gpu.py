@@ -1,9 +1,9 @@
 """`pd-ssm bench engine` with another decode step: the other sides of an A/B in one device call.
 
-Mamba2 blocks defer the gated norm's scale and run conv update + state update + gate as one kernel
+Mamba2 blocks defer the gated norm's scale and run the state update + gate as one kernel
 (kernels/mixer_decode.py). `--variant unfused` runs every mixer on the three-kernel path (conv
-update, state update, gated norm); `split` keeps the deferred norm but launches the conv update
-on its own first; `fused:P/W` fuses everything with BLOCK_P = P and W warps.
+update, state update, gated norm); `tile:P/W` keeps the deferred norm with the gated state
+update's tile BLOCK_P = P, W warps.
 
     python benchmarks/decode_fusion_ab_gpu.py --variant unfused [--json FILE]      (CUDA only)
 """
@@ -21,7 +21,7 @@ from pd_ssm.layers.mixer2 import Mamba2Mixer
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variant", default="unfused", help="unfused | split | fused:P/W")
+    ap.add_argument("--variant", default="unfused", help="unfused | tile:P/W")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.variant == "unfused":
@@ -33,11 +33,10 @@ def main() -> None:
 
         Mamba2Mixer.__init__ = unfused_init  # type: ignore[method-assign]
     else:
-        fuse = args.variant != "split"
-        block_p, warps = (int(v) for v in args.variant.split(":")[1].split("/")) if fuse else (16, 4)
+        block_p, warps = (int(v) for v in args.variant.split(":")[1].split("/"))
 
-        def config(*_: Any) -> decode_step.DecodeStepConfig:
-            return decode_step.DecodeStepConfig(block_p, warps, fuse)
+        def config(*_: Any) -> decode_step.SSUConfig:
+            return decode_step.SSUConfig(block_p, warps)
 
         decode_step.default_config = config  # type: ignore[assignment]
     result = run_engine_bench(EngineBenchOptions())

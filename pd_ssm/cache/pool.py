@@ -26,8 +26,6 @@ class CachePool:
         cache: CacheConfig,
         device: torch.device | str,
         act_dtype: torch.dtype,
-        *,
-        max_decode_rows: int = 0,
     ) -> None:
         self.model_config = model
         self.cache_config = cache
@@ -52,10 +50,6 @@ class CachePool:
                     model.num_kv_heads, model.attn_head_dim)
         self.k_cache = torch.zeros(kv_shape, dtype=state_dtype, device=self.device)
         self.v_cache = torch.zeros(kv_shape, dtype=state_dtype, device=self.device)
-        # NOTE: not cache: per-row counters the fused decode kernel (kernels/mixer_decode_triton.py)
-        # elects one program with; all zero between launches. An engine's decode batch never has
-        # more rows than its pool has slots; a throwaway pool (memory profile) says how many it runs
-        self.arrivals = torch.zeros(max(self.num_slots, max_decode_rows, 1), dtype=torch.int32, device=self.device)
 
     # per-layer views handed to the layers
     def conv(self, layer_idx: int) -> torch.Tensor:

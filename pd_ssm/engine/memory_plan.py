@@ -191,7 +191,7 @@ def profile_memory(
     uses_kv = bool(mc.attention_layer_ids)
     n_blocks = -(-num_tokens // cache.block_size) if uses_kv else 0
     pool = CachePool(mc, dataclasses.replace(cache, num_state_slots=1, num_kv_blocks=max(n_blocks, 1)),
-                     device, act_dtype, max_decode_rows=graph_size)
+                     device, act_dtype)
 
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)

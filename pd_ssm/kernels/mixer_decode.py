@@ -12,10 +12,10 @@ For B sequences of one new token each:
 An ungrouped gated norm (group_size == d_inner: HF Mamba2 with one group, the 2.7B shape) scales
 a whole row by one r = rsqrt(sum(h^2) / d_inner + eps), and out_proj is linear, so
 out_proj(weight * h * r) = r * out_proj(weight * h): the mixer hands out_proj g and the next
-block's `add_rms_norm(x_rms=RowRms(sq, d_inner, eps))` applies r in its residual add. With the conv
-and the state update in the same program that is one launch per layer and step instead of three
-(conv, state update, gated norm), and xBC and y never leave registers. K is the kernel's choice
-(the Triton kernel writes one partial per program); only the row sums are defined.
+block's `add_rms_norm(x_rms=RowRms(sq, d_inner, eps))` applies r in its residual add. The Triton
+version does the state update and the gate in one program, so y never goes through memory and
+the gated norm's launch is gone (two launches per layer and step instead of three). K is the
+kernel's choice (the Triton kernel writes one partial per program); only the row sums are defined.
 
 Conv and state update follow `causal_conv1d_update_ref` and `selective_state_update_ref` exactly
 (same casts, no dt clamp at decode: layers/mixer2.py); the gated value h is
@@ -83,7 +83,6 @@ def mamba2_decode_step_ref(
     *,
     state_indices: Tensor,
     ngroups: int,
-    arrivals: Tensor | None = None,
 ) -> GatedSquares:
     """One decode token per sequence, from in_proj's output to out_proj's input (module docstring).
 
@@ -96,7 +95,6 @@ def mamba2_decode_step_ref(
       norm_weight    [d_inner]                     the gated norm's weight, dtype of proj
       state_indices  [B] int32                     pool slots; distinct; negative = CUDA-graph padding
                                                    (no state touched, g = 0, sq = 0)
-      arrivals       [>= B] int32 zeros            the Triton kernel's election counters (unused here)
 
     In place on both pools' slots. Returns GatedSquares(g [B, d_inner] in proj.dtype, sq [B, K] fp32).
     """

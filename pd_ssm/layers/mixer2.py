@@ -9,8 +9,8 @@ Per step, with the batch ordered decodes first then prefill chunks (ForwardMeta)
 
 With `defer_norm_scale` (Mamba2 blocks; ungrouped norm, no out_proj bias) a step instead returns
 ScaledDelta(out_proj(weight * y * silu(z)), RowRms): the norm's per-row scale is applied by the
-next block's add_rms_norm, and decode rows take one fused kernel from in_proj's output to out_proj's
-input (conv update + state update + gate: kernels/mixer_decode.py) -- two launches fewer per layer.
+next block's add_rms_norm, and decode rows run the state update and the gate in one kernel
+(kernels/mixer_decode.py) -- the gated norm's launch is gone.
 
 Both paths read and write the states of the slots in `meta.state_indices` in place.  xBC splits
 after the conv into x [d_inner] | B [n_groups * d_state] | C [n_groups * d_state].
@@ -146,7 +146,7 @@ class Mamba2Mixer(nn.Module):
             parts.append(k.mamba2_decode_step(
                 proj[:nd], cache.conv(self.layer_idx), self.conv1d.weight, self.conv1d.bias,
                 cache.ssm(self.layer_idx), self.A(), self.D, self.dt_bias, self.norm.weight,
-                state_indices=meta.decode_view().state_indices, ngroups=self.n_groups, arrivals=cache.arrivals,
+                state_indices=meta.decode_view().state_indices, ngroups=self.n_groups,
             ))
         if meta.num_prefills:
             y = self._prefill_y(proj[nd:], meta, cache).reshape(-1, self.d_inner)
