@@ -35,7 +35,7 @@ def main() -> None:
     else:
         block_p, warps = (int(v) for v in args.variant.split(":")[1].split("/"))
 
-        def config(*_: Any) -> decode_step.SSUConfig:
+        def config(*_: Any) -> decode_step.SSUConfig:  # the tile whatever the batch
             return decode_step.SSUConfig(block_p, warps)
 
         decode_step.default_config = config  # type: ignore[assignment]

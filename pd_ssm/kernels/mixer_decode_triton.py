@@ -25,7 +25,8 @@ from pd_ssm.kernels.conv1d_triton_update import default_update_tile, launch_conv
 from pd_ssm.kernels.mixer_decode import check_mixer_decode_args
 from pd_ssm.kernels.rmsnorm import GatedSquares
 from pd_ssm.kernels.ssu import check_ssu_args
-from pd_ssm.kernels.ssu_triton import SSUConfig, _on_device, _softplus, default_config
+from pd_ssm.kernels.ssu_triton import SSUConfig, _on_device, _softplus
+from pd_ssm.kernels.ssu_triton import default_config as ssu_config
 
 
 @triton.jit
@@ -59,8 +60,7 @@ def _gated_ssu_kernel(
     tile_ok = p_ok[:, None] & n_ok[None, :]
     # NOTE: issue the big load first and every small one right after, before any arithmetic: a
     # program streams only a few KB, so each load issued late adds its latency to the program's
-    # life (hoisting the gate's z and weight loads took the gated kernel from ~9 us over the plain
-    # state update at batch 32 to what benchmarks/decode_step_gpu.py shows in RESULTS.md, session 4)
+    # life (the gate's z and weight loaded after y cost ~9 us a layer at batch 32, H200)
     state = tl.load(state_ptrs, mask=tile_ok, other=0.0).to(tl.float32)
     proj_row = proj_ptr + b * stride_proj_b
     xbc_row = xbc_ptr + b * stride_xbc_b
@@ -119,7 +119,16 @@ def mamba2_decode_step_triton(
     bc = xbc[:, d_inner:].unflatten(1, (2 * ngroups, N))
     check_ssu_args(ssm_state, x3, proj[:, -H:], A, bc[:, :ngroups], bc[:, ngroups:], state_indices, D, dt_bias)
     return launch_decode_step(proj, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, norm_weight,
-                              state_indices, ngroups, default_config(P, N, ssm_state.dtype))
+                              state_indices, ngroups, default_config(Bt, P, N, ssm_state.dtype))
+
+
+def default_config(batch: int, headdim: int, dstate: int, state_dtype: torch.dtype) -> SSUConfig:
+    """The state update's tile; two warps a program from 32 sequences on. Measured per layer in CUDA
+    graphs on an H200, 2.7B shape (decode_step_gpu.py, RESULTS.md session 4): at batch 32 / 128 two
+    warps 50.0 / 182.9 us, four 53.4 / 192.0 us, the three-kernel path 52.1 / 184.8 us; at batch 1
+    four warps 6.6 us against the three kernels' 8.3 us."""
+    cfg = ssu_config(headdim, dstate, state_dtype)
+    return cfg if batch < 32 else cfg._replace(num_warps=2)
 
 
 def launch_decode_step(
