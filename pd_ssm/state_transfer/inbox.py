@@ -25,10 +25,10 @@ import msgpack
 from pd_ssm.cache.pages import StatePages
 from pd_ssm.state_transfer.assembler import PageAssembler
 from pd_ssm.state_transfer.base import TransferStats
-from pd_ssm.state_transfer.checksum import even_shares
+from pd_ssm.state_transfer.checksum import gather_sums, sum_share, sum_shares
 from pd_ssm.state_transfer.ledger import TransferLedger
 from pd_ssm.state_transfer.reservations import ReservationTable
-from pd_ssm.state_transfer.wire import MAX_HEADER_BYTES, Buffer, Frame, FrameError, decode_frame
+from pd_ssm.state_transfer.wire import MAX_HEADER_BYTES, Buffer, Frame, FrameError, finish_frame, parse_frame
 
 
 @dataclass(slots=True)
@@ -48,7 +48,7 @@ class Inbox:
         threads: int = 1,
     ) -> None:
         self._token = token
-        self._pool = pool  # checks a message's frames in parallel (checksums drop the GIL)
+        self._pool = pool  # sums a message's payloads in parallel (numpy drops the GIL)
         self._threads = threads  # the pool's workers
         self.reservations = reservations
         self.ledger = ledger
@@ -103,12 +103,19 @@ class Inbox:
 
     def _decode(self, parts: Sequence[Buffer]) -> list[Frame]:
         """[header, payload] pairs -> Frames; tensors view the received buffers (no copy).
-        With a pool: one task per thread (checksum.even_shares says why), not one per frame."""
-        pairs = list(zip(parts[0::2], parts[1::2], strict=True))
-        if self._pool is None or self._threads < 2 or len(pairs) < 2:
-            return _decode_all(pairs)
-        shares = even_shares(pairs, self._threads, lambda hp: memoryview(hp[1]).nbytes)
-        return [f for frames in self._pool.map(_decode_all, shares) for f in frames]
+
+        Every header is parsed here; the checksums' sums go to the pool in about equal shares of
+        bytes (checksum.sum_shares), one task per thread -- a 32 MB run frame is summed by every
+        thread, not by one -- and each frame is verified from its pieces' sums."""
+        parsed = [parse_frame(h, p) for h, p in zip(parts[0::2], parts[1::2], strict=True)]
+        payloads = [p.payload for p in parsed]
+        shares = sum_shares([v.nbytes for v in payloads], self._threads)
+        if self._pool is None or len(shares) < 2:
+            results = [sum_share(payloads, share) for share in shares]
+        else:
+            results = list(self._pool.map(sum_share, [payloads] * len(shares), shares))
+        sums = gather_sums(len(parsed), shares, results)
+        return [finish_frame(p, s, copy=False) for p, s in zip(parsed, sums, strict=True)]
 
     def sweep(self) -> None:
         """Drop requests in progress whose reservation expired (failed: the caller frees it) or
@@ -120,7 +127,7 @@ class Inbox:
             if ticket is None:
                 del self._partial[req_id]
             elif ticket.expired(now):
-                layers = sorted(self._partial[req_id].asm.layers)
+                layers = self._partial[req_id].asm.arrived_layers()
                 self._drop(req_id, f"its reservation expired with only layers {layers} arrived")
 
     def abort(self, req_id: str) -> None:
@@ -138,10 +145,6 @@ class Inbox:
         self._partial.pop(req_id, None)
         self.reservations.cancel(req_id)
         self.ledger.fail(req_id, reason)
-
-
-def _decode_all(pairs: list[tuple[Buffer, Buffer]]) -> list[Frame]:
-    return [decode_frame(h, p, copy=False) for h, p in pairs]
 
 
 def _peek(header: Buffer) -> tuple[str, str] | None:

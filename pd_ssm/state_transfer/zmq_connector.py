@@ -3,10 +3,11 @@
 Message = [cluster token, header_0, payload_0, header_1, payload_1, ...], frames of wire.py of one
 request. `send` puts a whole request in messages of about `message_bytes` of payload each (the
 last one also carries the request and end frames), so checksumming on either side overlaps the
-wire. Layer-wise streaming (`send_layers`) sends page frames as the prefill forward finishes each
-layer; the final `send` then carries the rest, and the end frame counts the frames of every
-message. Payloads leave zero-copy (`copy=False`) from contiguous host tensors (GPU pages are first
-copied into pinned host staging) and are checksummed by a small thread pool (zlib drops the GIL).
+wire; pages that come as runs go as run frames, a few per message (zmq_framing.py). Layer-wise
+streaming (`send_layers`) sends the layers of each hand-over as the prefill forward finishes them;
+the final `send` then carries the rest, and the end frame counts the frames of every message.
+Payloads leave zero-copy (`copy=False`) from contiguous host tensors (GPU pages are first copied
+into pinned host staging) and are checksummed by a small thread pool (numpy drops the GIL).
 
 Roles by composition: a connector with `bind` (and a ReservationTable) receives; any connector
 sends, keeping one PUSH socket per destination address. Queued sends make progress in `send`,
@@ -30,27 +31,33 @@ freed memory (`ZmqConfig.malloc_retain_bytes`; None leaves malloc alone).
 from __future__ import annotations
 
 import ctypes
-import itertools
 import os
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from pd_ssm.cache.pages import LayerPages, StatePages
 from pd_ssm.state_transfer.base import StreamingConnector, Ticket, TransferStats
-from pd_ssm.state_transfer.checksum import even_shares
 from pd_ssm.state_transfer.inbox import Inbox
 from pd_ssm.state_transfer.ledger import TransferLedger
 from pd_ssm.state_transfer.reservations import ReservationTable
-from pd_ssm.state_transfer.wire import Parts, encode_abort, encode_end, encode_page, encode_request
+from pd_ssm.state_transfer.wire import Parts, encode_abort, encode_end, encode_request
+from pd_ssm.state_transfer.zmq_framing import (
+    Sealing,
+    Slab,
+    cut,
+    message_sizes,
+    slabs_of_layers,
+    slabs_of_runs,
+    unsealed_frames,
+)
 
 _MAX_ABORTED = 1 << 16  # remembered aborted ids (to drop their late messages), oldest forgotten first
 # seconds `flush` blocks between pumps: bounds how late it notices a deadline or a peer's disconnect
@@ -155,8 +162,8 @@ class ZmqConnector(StreamingConnector):
         stream = self._stream(ticket)
         if stream.final:
             raise ValueError(f"{ticket.req_id!r}: layers sent after its final send")
-        host = _to_host(layers)
-        self._enqueue(ticket.req_id, stream, self._encode(ticket.req_id, host), host)
+        slabs = slabs_of_layers(layers)
+        self._enqueue(ticket.req_id, stream, self._encode(ticket.req_id, slabs), slabs)
 
     def send(self, pages: StatePages, ticket: Ticket) -> None:
         if ticket.req_id != pages.req_id:
@@ -164,27 +171,30 @@ class ZmqConnector(StreamingConnector):
         stream = self._stream(ticket)
         if stream.final:
             raise ValueError(f"{ticket.req_id!r} was sent already (its final send came twice)")
-        host_layers = _to_host(list(pages.layers.values()))
-        sizes = _message_sizes(sum(p.nbytes() for p in host_layers), self.config.edge_message_bytes,
-                               self.config.message_bytes)
-        *early, host = _groups(host_layers, sizes)
+        # NOTE: runs first: asking for `pages.layers` would turn them into 128 per-layer views
+        runs = pages.runs
+        slabs = slabs_of_runs(runs) if runs is not None else slabs_of_layers(list(pages.layers.values()))
+        sizes = message_sizes(sum(s.nbytes() for s in slabs), self.config.edge_message_bytes,
+                              self.config.message_bytes)
+        *early, last = cut(slabs, sizes)
         for group in early:
             self._enqueue(pages.req_id, stream, self._encode(pages.req_id, group), group)
-        paged = self._encode(pages.req_id, host)
+        paged = self._encode(pages.req_id, last)
         pieces: list[_Piece] = [[encode_request(pages.request)], *paged.pieces]
         pieces.append([encode_end(pages.req_id, stream.num_frames + 1 + paged.num_frames)])
         stream.final = True
-        self._enqueue(pages.req_id, stream, _Encoded(pieces, 1 + paged.num_frames), host)
+        self._enqueue(pages.req_id, stream, _Encoded(pieces, 1 + paged.num_frames), last)
 
-    def _encode(self, req_id: str, layers: list[LayerPages]) -> _Encoded:
-        """Page frames of `layers` (wire.layers_to_frames's order), checksummed by the pool in the
-        background: a prefill forward streaming its layers must not wait for checksums.
-        One task per pool thread, not per tensor (checksum.even_shares says why)."""
-        items = [(p.layer_idx, p.kind, name, p.tensors[name]) for p in sorted(layers, key=lambda p: p.layer_idx)
-                 for name in sorted(p.tensors)]
-        batches = even_shares(items, self.config.checksum_threads, lambda item: item[3].nbytes)
-        pieces: list[_Piece] = [self._pool.submit(_encode_pages, req_id, batch) for batch in batches]
-        return _Encoded(pieces, len(items))
+    def _encode(self, req_id: str, slabs: list[Slab]) -> _Encoded:
+        """Frames of `slabs` (a page frame per one-layer slab, else a run frame), summed by the pool
+        in the background: a prefill forward streaming its layers must not wait for checksums.
+        A slab the wire cannot carry (e.g. a dtype it does not know) fails its request through
+        get_failed when the message's turn comes, not with an exception out of a worker's step."""
+        try:
+            frames = unsealed_frames(req_id, slabs)
+        except ValueError as e:
+            return _Encoded([Sealing([], None, 1, error=str(e))], 0)
+        return _Encoded([Sealing(frames, self._pool, self.config.checksum_threads)], len(frames))
 
     def _stream(self, ticket: Ticket) -> _Stream:
         self._check_open()
@@ -198,9 +208,9 @@ class ZmqConnector(StreamingConnector):
             raise ValueError(f"{ticket.req_id!r} is being sent to {stream.address}, not {ticket.address}")
         return stream
 
-    def _enqueue(self, req_id: str, stream: _Stream, encoded: _Encoded, host: list[LayerPages]) -> None:
+    def _enqueue(self, req_id: str, stream: _Stream, encoded: _Encoded, slabs: list[Slab]) -> None:
         stream.num_frames += encoded.num_frames  # NOTE: without the end frame, which counts the others
-        stream.nbytes += sum(p.nbytes() for p in host)
+        stream.nbytes += sum(s.nbytes() for s in slabs)
         stream.messages += 1
         self._queue(req_id, stream.address, encoded.pieces, stream)
 
@@ -212,12 +222,14 @@ class ZmqConnector(StreamingConnector):
     def _frames(self, out: _Outgoing) -> list[zmq.Frame] | None:
         """The message's zero-copy ZMQ frames once every piece is checksummed, else None."""
         if out.frames is None:
-            if not all(not isinstance(p, Future) or p.done() for p in out.pieces):
+            sealing = [p for p in out.pieces if isinstance(p, Sealing)]
+            if any(s.pending() for s in sealing):
                 return None
-            for p in out.pieces:
-                if isinstance(p, Future) and p.exception() is not None:
-                    raise _Unsendable(f"a page could not be encoded: {p.exception()}")
-            batches = (p.result() if isinstance(p, Future) else p for p in out.pieces)
+            for s in sealing:
+                failure = s.failure()
+                if failure is not None:
+                    raise _Unsendable(f"a page could not be encoded: {failure}")
+            batches = (p.seal() if isinstance(p, Sealing) else p for p in out.pieces)
             parts = [self._token, *(part for batch in batches for frame in batch for part in frame)]
             out.frames = [_frame(p) for p in parts]
             out.tracker = zmq.MessageTracker(*(f for f in out.frames if f.tracker is not None))
@@ -244,7 +256,7 @@ class ZmqConnector(StreamingConnector):
         its checksums, room in ZMQ's queue, or ZMQ releasing its buffers -- at most `seconds`."""
         if self._outbox:
             head = self._outbox[0]
-            pending = [p for p in head.pieces if isinstance(p, Future) and not p.done()]
+            pending = [f for p in head.pieces if isinstance(p, Sealing) for f in p.pending()]
             if pending:
                 wait_futures(pending, timeout=seconds)
                 return
@@ -422,17 +434,13 @@ class _Unsendable(Exception):
     pass
 
 
-# a batch of wire frames of one message: ready, or being encoded by the pool
-_Piece = Future[list[Parts]] | list[Parts]
+# a batch of wire frames of one message: ready, or being checksummed by the pool
+_Piece = Sealing | list[Parts]
 
 
 class _Encoded(NamedTuple):
     pieces: list[_Piece]
     num_frames: int  # frames in `pieces`
-
-
-def _encode_pages(req_id: str, batch: list[tuple[int, str, str, torch.Tensor]]) -> list[Parts]:
-    return [encode_page(req_id, layer, kind, name, t) for layer, kind, name, t in batch]
 
 
 # NOTE: a tracked zero-copy frame costs ~15 us to build and a wake-up of pyzmq's garbage-collector
@@ -445,39 +453,6 @@ def _frame(part: bytes | memoryview) -> zmq.Frame:
     if memoryview(part).nbytes < _COPY_BELOW:
         return zmq.Frame(part)
     return zmq.Frame(part, copy=False, track=True)
-
-
-def _message_sizes(total: int, edge: int, most: int) -> list[int]:
-    """Payload bytes per message of a `total`-byte request: `edge` doubling up to `most` from the
-    front, and the mirror image towards the end (e.g. 2, 4, 8, 16, 32, ..., 32, 16, 8, 4, 2 MB), so
-    little waits for checksums before the wire starts or after it ends. Sums to `total`."""
-    edge = min(edge, most)
-    front: list[int] = []
-    back: list[int] = []
-    size, rest = edge, total
-    while rest > 2 * size:
-        front.append(size)
-        back.append(size)
-        rest -= 2 * size
-        size = min(2 * size, most)
-    middle = [rest] if rest <= most else [rest - rest // 2, rest // 2]
-    return front + middle + back[::-1]
-
-
-def _groups(layers: list[LayerPages], sizes: list[int]) -> list[list[LayerPages]]:
-    """Consecutive layers cut where their running bytes first reach each running total of `sizes`
-    (layers are not split: every group holds at least one, unless there are none)."""
-    groups: list[list[LayerPages]] = [[]]
-    cuts = iter(itertools.accumulate(sizes))
-    cut, done = next(cuts, 0), 0
-    for page in layers:
-        if groups[-1] and done >= cut:
-            groups.append([])
-            while done >= cut:  # a layer larger than a message spans its cut and maybe the next
-                cut = next(cuts, 1 << 62)
-        groups[-1].append(page)
-        done += page.nbytes()
-    return groups
 
 
 # glibc's mallopt parameters (malloc.h)
@@ -499,23 +474,3 @@ def _retain_freed_memory(retain_bytes: int) -> None:
     for param, value in ((_M_MMAP_THRESHOLD, _HEAP_MAX // 2), (_M_TRIM_THRESHOLD, retain_bytes), (_M_TOP_PAD, _HEAP_MAX)):
         if mallopt(param, value) != 1:
             raise RuntimeError(f"mallopt({param}, {value}) failed: set ZmqConfig.malloc_retain_bytes=None")
-
-
-def _to_host(layers: Sequence[LayerPages]) -> list[LayerPages]:
-    """CPU pages as they are (zero-copy); GPU pages copied into pinned host staging, synchronized."""
-    out: list[LayerPages] = []
-    staged = False
-    for page in layers:
-        tensors = {}
-        for name, t in page.tensors.items():
-            if t.device.type == "cpu":
-                tensors[name] = t.contiguous()
-            else:
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
-                tensors[name] = host
-                staged = True
-        out.append(LayerPages(page.layer_idx, page.kind, tensors))
-    if staged:
-        torch.cuda.synchronize()  # the copies must land before ZMQ's I/O thread reads the staging
-    return out

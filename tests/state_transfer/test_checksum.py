@@ -13,9 +13,13 @@ from pd_ssm.state_transfer import nccl_checksum
 from pd_ssm.state_transfer.checksum import (
     BLOCK,
     align,
+    checksum_of_sums,
     even_shares,
+    gather_sums,
     host_block_sums,
     payload_checksum,
+    sum_share,
+    sum_shares,
     sums_bytes,
 )
 
@@ -100,3 +104,30 @@ def test_even_shares_keep_order_and_balance(n: int) -> None:
     if n == 2:
         assert runs == [[5, 1, 1, 7, 3], [3, 2, 8, 1, 1]]  # 17 and 15 of 32
     assert even_shares([], n, lambda x: x) == []
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+def test_pieces_summed_in_shares_give_the_whole_payloads_checksum(n: int) -> None:
+    """Payloads cut into BLOCK-aligned pieces, summed share by share (as a pool does) and gathered:
+    each payload's checksum equals the one summed whole, tails and empty payloads included."""
+    rng = np.random.default_rng(n)
+    sizes = [0, 13, 5 * BLOCK, 37 * BLOCK + 5, 3 * BLOCK + 4095, 100 * BLOCK]
+    payloads = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for size in sizes]
+    shares = sum_shares(sizes, n, min_piece=BLOCK)
+    assert 1 <= len(shares) <= n
+    pieces = [p for share in shares for p in share]
+    for i, size in enumerate(sizes):  # each payload covered once, in order, cut at block boundaries
+        mine = [(p.start, p.stop) for p in pieces if p.payload == i]
+        assert mine[0][0] == 0 and mine[-1][1] == size and all(a[1] == b[0] for a, b in zip(mine, mine[1:], strict=False))
+        assert all(start % BLOCK == 0 for start, _ in mine)
+    sums = gather_sums(len(payloads), shares, [sum_share(payloads, share) for share in shares])
+    for raw, piece_sums in zip(payloads, sums, strict=True):
+        assert checksum_of_sums(b"id", piece_sums) == payload_checksum(b"id", raw)
+    if n == 8:
+        assert max(len(s) for s in sums) > 1  # the largest payload really was cut
+
+
+def test_shares_keep_pieces_no_smaller_than_asked() -> None:
+    shares = sum_shares([64 * BLOCK], 8, min_piece=32 * BLOCK)
+    assert [[(p.start, p.stop) for p in share] for share in shares] == [[(0, 32 * BLOCK)], [(32 * BLOCK, 64 * BLOCK)]]
+    assert sum_shares([], 4) == []

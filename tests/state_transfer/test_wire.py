@@ -11,9 +11,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pd_ssm.cache.pages import LayerPages, RequestState, StatePages
-from pd_ssm.state_transfer import wire
+from pd_ssm.cache.pages import LayerPages, RequestState, StatePages, runs_of
+from pd_ssm.state_transfer import wire, wire_fields
 from pd_ssm.state_transfer.assembler import PageAssembler, frames_to_pages
+from pd_ssm.state_transfer.checksum import gather_sums, sum_share, sum_shares
 from pd_ssm.state_transfer.wire import (
     Frame,
     FrameError,
@@ -21,7 +22,10 @@ from pd_ssm.state_transfer.wire import (
     encode_end,
     encode_page,
     encode_request,
+    encode_run,
+    finish_frame,
     pages_to_frames,
+    parse_frame,
 )
 
 
@@ -154,7 +158,9 @@ def test_receive_without_copy_views_a_writable_buffer(dtype: torch.dtype) -> Non
 def test_state_pages_round_trip(dtype: torch.dtype) -> None:
     pages = make_pages(dtype=dtype, seed=7)
     frames = pages_to_frames(pages)
-    assert len(frames) == 1 + 6 + 1 and all(len(f) == 2 for f in frames)
+    # request, conv and ssm runs of SSM layers 0 and 2, k and v pages of attention layer 1, end
+    assert [header_of(f)["kind"] for f in frames] == ["request", "run", "run", "page", "page", "end"]
+    assert all(len(f) == 2 for f in frames)
     assert_pages_equal(pages, frames_to_pages(frames, expected_layers=[0, 1, 2]))
     # through real bytes, as a socket would deliver them
     assert_pages_equal(pages, frames_to_pages([[bytes(h), bytes(p)] for h, p in frames]))
@@ -175,7 +181,7 @@ def test_layerwise_order_any_order_before_end() -> None:
     shuffled = [*reversed(body), frames[0], end]  # pages as layers finish, request frame last
     asm = PageAssembler(expected_layers=[0, 1, 2])
     done = [asm.add(decode_frame(h, p)) for h, p in shuffled]
-    assert done == [False] * 7 + [True]
+    assert done == [False] * (len(frames) - 1) + [True]
     assert_pages_equal(pages, asm.result())
 
 
@@ -186,6 +192,51 @@ def test_encode_rejects_bad_inputs() -> None:
         encode_page("r", 0, "kv", "x", torch.ones(2))
     with pytest.raises(ValueError, match="CPU"):
         encode_page("r", 0, "ssm", "x", torch.ones(2, device="meta"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.uint8])
+@pytest.mark.parametrize(("layers", "shape"), [((0, 1), (4, 6, 3)), ((3, 5, 9, 60), (48, 3)), ((2, 7), (0,)), ((4,), (5,))])
+def test_run_round_trip_bit_exact(dtype: torch.dtype, layers: tuple[int, ...], shape: tuple[int, ...]) -> None:
+    stacked = rand((len(layers), *shape), dtype, torch.Generator().manual_seed(len(layers)))
+    header, payload = encode_run("r", layers, "ssm", "ssm", stacked)
+    h = header_of([header])
+    assert (h["kind"], h["layers"], h["shape"]) == ("run", list(layers), list(shape))
+    for buf, copy in ((bytes(payload), True), (memoryview(bytearray(payload)), False)):
+        f = decode_frame(header, buf, copy=copy)
+        assert (f.kind, f.req_id, f.layer_idx, f.layers, f.page_kind, f.name) == ("run", "r", None, layers, "ssm", "ssm")
+        assert f.tensor is not None and same_bits(f.tensor, stacked)
+
+
+def test_run_pages_round_trip_as_runs() -> None:
+    """Pages that come as runs (export_pages) go as run frames and arrive as runs again, views of
+    the frames' payloads, so an import can take the fast path; per-layer views are the same bits."""
+    pages = make_pages(seed=11)
+    as_runs = StatePages(pages.request, runs=runs_of(pages.layers))
+    frames = pages_to_frames(as_runs)
+    got = frames_to_pages([[h, memoryview(bytearray(p))] for h, p in frames])
+    assert got.runs is not None and [(r.kind, r.name, r.layers) for r in got.runs] == [
+        ("ssm", "conv", (0, 2)), ("ssm", "ssm", (0, 2)), ("attention", "k", (1,)), ("attention", "v", (1,))
+    ]
+    assert_pages_equal(pages, got)
+
+
+def test_parse_then_finish_with_piece_sums() -> None:
+    """A receiver may sum pieces of a payload in a pool (checksum.sum_shares) and finish the frame
+    from their sums: the same frame as decode_frame, and a piece of wrong bytes still fails."""
+    stacked = rand((6, 3 * 4096 + 40), torch.uint8, torch.Generator().manual_seed(8))  # 73 KB a layer
+    header, payload = encode_run("r", [1, 2, 3, 4, 5, 6], "attention", "k", stacked)
+    parsed = parse_frame(header, bytes(payload))
+    shares = sum_shares([parsed.payload.nbytes], 3, min_piece=4096)
+    assert len(shares) == 3
+    sums = gather_sums(1, shares, [sum_share([parsed.payload], share) for share in shares])[0]
+    f = finish_frame(parsed, sums)
+    assert f == decode_frame(header, payload)._replace(tensor=f.tensor) and same_bits(f.tensor, stacked)
+    bad = bytearray(payload)
+    bad[5 * 4096 + 3] ^= 0x10  # in the second piece
+    parsed = parse_frame(header, bytes(bad))
+    sums = gather_sums(1, shares, [sum_share([parsed.payload], share) for share in shares])[0]
+    with pytest.raises(FrameError, match=r"checksum mismatch on layers \[1, 2, 3, 4, 5, 6\] 'k'"):
+        finish_frame(parsed, sums)
 
 
 # ----------------------------------------------------------------------------- rejections
@@ -261,7 +312,8 @@ def test_bad_length_and_truncation() -> None:
         ("magic", b"XXXX", "bad magic"),
         ("magic", "PDSM", "bad magic"),
         ("version", 1, "unsupported frame version"),  # a peer of the crc32-only wire
-        ("version", 3, "unsupported frame version"),
+        ("version", 2, "unsupported frame version"),  # a peer without run frames
+        ("version", 4, "unsupported frame version"),
         ("version", True, "unsupported frame version"),
         ("kind", "pages", "unknown frame kind"),
         ("dtype", "float64", "not allowed"),
@@ -289,6 +341,69 @@ def test_bad_header_field(field: str, value: Any, match: str) -> None:
     h[field] = value
     with pytest.raises(FrameError, match=match):
         decode_frame(repack(h, fix_checksum=field != "checksum", payload=payload), payload)
+
+
+def run_parts(layers: tuple[int, ...] = (0, 2, 5), dtype: torch.dtype = torch.float32) -> list[Any]:
+    return encode_run("r", layers, "ssm", "ssm", rand((len(layers), 4, 5), dtype, torch.Generator().manual_seed(9)))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("layers", [], "1 to"),
+        ("layers", [0, 2], r"2 layers x shape \[4, 5\] x 4 B \(float32\) != nbytes 240"),
+        ("layers", [0, 2, 5, 6], r"4 layers x shape"),
+        ("layers", [2, 0, 5], "ascending"),
+        ("layers", [0, 0, 5], "ascending"),
+        ("layers", [0, -2, 5], "non-negative ints"),
+        ("layers", [0, 2.0, 5], "non-negative ints"),
+        ("layers", [0, True, 5], "non-negative ints"),
+        ("layers", [0, "2", 5], "non-negative ints"),
+        ("layers", (0, 2, 5), None),  # msgpack has no tuples: packed as the same list, valid
+        ("layers", 3, "must be a list"),
+        ("layers", list(range(wire.MAX_RUN_LAYERS + 1)), "1 to"),
+        ("shape", [4, 4], r"3 layers x shape \[4, 4\]"),
+        ("shape", [2**31, 2**31], "over the cap"),
+        ("dtype", "bfloat16", r"3 layers x shape \[4, 5\] x 2 B"),
+        ("page_kind", "kv", "unknown page kind"),
+        ("nbytes", 241, "payload has"),
+    ],
+)
+def test_bad_run_header_field(field: str, value: Any, match: str | None) -> None:
+    header, payload = run_parts()
+    h = header_of([header])
+    h[field] = value
+    repacked = repack(h, payload=payload)
+    if match is None:
+        assert decode_frame(repacked, payload).layers == (0, 2, 5)
+        return
+    with pytest.raises(FrameError, match=match):
+        decode_frame(repacked, payload)
+
+
+def test_run_checksum_covers_its_layers() -> None:
+    header, payload = run_parts()
+    h = header_of([header])
+    h["layers"] = [1, 2, 5]  # still valid and consistent: only the checksum can tell
+    with pytest.raises(FrameError, match=r"checksum mismatch on layers \[1, 2, 5\] 'ssm'"):
+        decode_frame(repack(h, fix_checksum=False), payload)
+    with pytest.raises(FrameError, match="truncated"):
+        decode_frame(header, bytes(payload)[:-4])
+    h = header_of([header])
+    h["layer"] = 0  # a page frame's field in a run frame
+    with pytest.raises(FrameError, match=r"unexpected fields \['layer'\]"):
+        decode_frame(repack(h, payload=payload), payload)
+
+
+def test_encode_run_rejects_bad_inputs() -> None:
+    with pytest.raises(ValueError, match="ascending"):
+        encode_run("r", [2, 1], "ssm", "x", torch.ones(2, 3))
+    with pytest.raises(ValueError, match="ascending"):
+        encode_run("r", [], "ssm", "x", torch.ones(0, 3))
+    with pytest.raises(ValueError, match=r"needs a tensor \[2, ...\]"):
+        encode_run("r", [1, 2], "ssm", "x", torch.ones(3, 3))
+    with pytest.raises(ValueError, match="dtype"):
+        encode_run("r", [1, 2], "ssm", "x", torch.ones(2, 3, dtype=torch.complex64))
 
 
 def test_missing_and_extra_fields() -> None:
@@ -367,7 +482,7 @@ def test_request_body_checksum_and_deep_nesting() -> None:
     with pytest.raises(FrameError, match="checksum mismatch"):
         decode_frame(header, bytes(bad))
     deep: Any = 1
-    for _ in range(wire.MAX_BODY_DEPTH + 2):
+    for _ in range(wire_fields.MAX_BODY_DEPTH + 2):
         deep = [deep]
     with pytest.raises(FrameError, match="nest deeper"):
         decode_frame(*body_frame("request", request_body(params={"x": deep})))
@@ -408,16 +523,33 @@ def test_page_frame_with_body_fields_rejected() -> None:
 
 def test_duplicate_frame_rejected() -> None:
     frames = pages_to_frames(make_pages())
-    with pytest.raises(FrameError, match="duplicate frame: layer 0 'conv'"):
+    with pytest.raises(FrameError, match=r"duplicate frame: layers \[0, 2\] 'conv'"):
         frames_to_pages([*frames[:2], frames[1], *frames[2:]])
     with pytest.raises(FrameError, match="duplicate request frame"):
         frames_to_pages([frames[0], *frames])
 
 
+def test_layer_of_a_run_repeated_by_another_frame_rejected() -> None:
+    """A run frame must not repeat a layer any earlier page or run frame brought for its name."""
+    pages = make_pages()
+    frames = pages_to_frames(pages)
+    conv2 = encode_page("req-1", 2, "ssm", "conv", pages.layers[2].tensors["conv"])
+    with pytest.raises(FrameError, match=r"duplicate frame: layers \[2\] 'conv'"):
+        frames_to_pages([*frames[:-1], conv2, frames[-1]])  # a page after the run
+    with pytest.raises(FrameError, match=r"duplicate frame: layers \[2\] 'conv'"):
+        frames_to_pages([frames[0], conv2, *frames[1:]])  # the run after a page
+    overlapping = encode_run("req-1", [2, 5], "ssm", "conv", torch.stack([pages.layers[2].tensors["conv"]] * 2))
+    with pytest.raises(FrameError, match=r"duplicate frame: layers \[2\] 'conv'"):
+        frames_to_pages([*frames[:-1], overlapping, frames[-1]])
+    attn = encode_run("req-1", [1, 2], "attention", "k2", torch.ones(2, 3))  # layer 2 is an SSM layer
+    with pytest.raises(FrameError, match=r"layers \[2\] of 'req-1' sent as both ssm and attention"):
+        frames_to_pages([*frames[:-1], attn, frames[-1]])
+
+
 def test_missing_layer_rejected() -> None:
     frames = pages_to_frames(make_pages())
-    kept = [f for f in frames if header_of(f).get("layer") != 2]
-    with pytest.raises(FrameError, match="sender sent 7 frames before end, 5 arrived"):
+    kept = [f for f in frames if header_of(f).get("name") != "ssm"]  # the run of layers 0 and 2
+    with pytest.raises(FrameError, match="sender sent 5 frames before end, 4 arrived"):
         frames_to_pages(kept)
     # the receiver's own model says which layers it needs: a sender that forgot one is caught
     pages = make_pages()
@@ -429,7 +561,7 @@ def test_missing_layer_rejected() -> None:
 def test_assembly_order_and_identity_errors() -> None:
     frames = pages_to_frames(make_pages())
     with pytest.raises(FrameError, match="before its request frame"):
-        frames_to_pages([*frames[1:-1], encode_end("req-1", 6)])
+        frames_to_pages([*frames[1:-1], encode_end("req-1", len(frames) - 2)])
     with pytest.raises(FrameError, match="after its end frame"):
         frames_to_pages([*frames, frames[1]])
     with pytest.raises(FrameError, match="no end frame"):
@@ -455,11 +587,15 @@ _plain = st.recursive(
 )
 _field_values = st.one_of(
     _plain,
-    st.sampled_from([wire.MAGIC, wire.VERSION, "page", "request", "end", "ssm", "attention", "float32", "bfloat16"]),
+    st.sampled_from(
+        [wire.MAGIC, wire.VERSION, "page", "run", "request", "end", "ssm", "attention", "float32", "bfloat16"]
+    ),
     st.lists(st.integers(-3, 2**40), max_size=9),
 )
 _maps = st.dictionaries(
-    st.sampled_from(sorted(wire._FIELDS["page"] | {"body", "x"})) | st.text(max_size=4), _field_values, max_size=12
+    st.sampled_from(sorted(wire._FIELDS["page"] | wire._FIELDS["run"] | {"body", "x"})) | st.text(max_size=4),
+    _field_values,
+    max_size=12,
 )
 
 
@@ -514,6 +650,58 @@ def test_mutated_real_frames_raise_only_frame_error(data: st.DataObject) -> None
     assert (got.tensor is None) == (want.tensor is None)
     if got.tensor is not None and want.tensor is not None:
         assert same_bits(got.tensor, want.tensor)
+
+
+_run_layers = st.one_of(
+    st.lists(st.integers(-2, 70), max_size=12),
+    st.lists(st.one_of(st.integers(0, 9), st.booleans(), st.floats(0, 9), st.text(max_size=2)), max_size=5),
+    _plain,
+)
+
+
+@_FAST
+@given(_run_layers, st.lists(st.integers(-1, 9), max_size=4) | _plain, st.sampled_from(sorted(wire.DTYPES)),
+       st.binary(max_size=96), st.booleans())
+def test_arbitrary_run_headers_raise_only_frame_error(
+    layers: Any, shape: Any, dtype: str, payload: bytes, fix_nbytes: bool
+) -> None:
+    """Run frames whose header is otherwise well formed (checksum right): any layers list or shape
+    gives a FrameError or a frame whose tensor is exactly the payload's bytes."""
+    h = {"magic": wire.MAGIC, "version": wire.VERSION, "kind": "run", "req_id": "r", "layers": layers,
+         "page_kind": "ssm", "name": "x", "dtype": dtype, "shape": shape, "nbytes": len(payload) if fix_nbytes else 40}
+    try:
+        header = repack(h, payload=payload)
+    except Exception:  # our checksum helper on garbage identity fields: not the parser's concern
+        header = msgpack.packb({**h, "checksum": 0}, use_bin_type=True)
+    try:
+        f = decode_frame(header, payload)
+    except FrameError:
+        return
+    assert f.kind == "run" and f.layers is not None and f.tensor is not None
+    assert list(f.layers) == sorted(set(f.layers)) and f.tensor.shape[0] == len(f.layers)
+    assert f.tensor.numel() * f.tensor.element_size() == len(payload)
+
+
+@_FAST
+@given(st.data())
+def test_mutated_run_frames_raise_only_frame_error(data: st.DataObject) -> None:
+    """Bytes of a real run frame flipped, cut or spliced: FrameError, or exactly the original."""
+    header, payload = (bytes(x) for x in run_parts(data.draw(st.sampled_from([(0, 1), (0, 2, 5), (7,)]))))
+    parts = [bytearray(header), bytearray(payload)]
+    for _ in range(data.draw(st.integers(1, 4))):
+        buf = parts[data.draw(st.integers(0, 1))]
+        if buf:
+            buf[data.draw(st.integers(0, len(buf) - 1))] ^= data.draw(st.integers(1, 255))
+    which = data.draw(st.integers(0, 1))
+    if data.draw(st.booleans()):
+        parts[which] = parts[which][: data.draw(st.integers(0, len(parts[which])))]
+    try:
+        got = decode_frame(bytes(parts[0]), bytes(parts[1]))
+    except FrameError:
+        return
+    want = decode_frame(header, payload)
+    assert got._replace(tensor=None) == want._replace(tensor=None)
+    assert got.tensor is not None and want.tensor is not None and same_bits(got.tensor, want.tensor)
 
 
 def test_hostile_buffers() -> None:

@@ -8,15 +8,17 @@ import socket
 import time
 from typing import Any
 
+import msgpack
 import pytest
 import torch
 import zmq
 
-from pd_ssm.cache.pages import LayerPages, RequestState, StatePages
+from pd_ssm.cache.pages import LayerPages, RequestState, StatePages, runs_of
+from pd_ssm.state_transfer import wire
 from pd_ssm.state_transfer.base import Ticket
 from pd_ssm.state_transfer.reservations import ReservationTable
 from pd_ssm.state_transfer.wire import pages_to_frames
-from pd_ssm.state_transfer.zmq_connector import ZmqConfig, ZmqConnector, _groups, _message_sizes
+from pd_ssm.state_transfer.zmq_connector import ZmqConfig, ZmqConnector
 
 TOKEN = "cluster-secret"
 
@@ -26,12 +28,14 @@ def rand(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator) -> torc
     return (torch.randn(shape, generator=g) + 3.0).to(dtype)
 
 
-def make_pages(req_id: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> StatePages:
-    """Hybrid by hand: SSM layers 0 and 2, attention layer 1 with KV of 9 tokens."""
+def make_pages(
+    req_id: str, dtype: torch.dtype = torch.float32, seed: int = 0, ssm_layers: tuple[int, ...] = (0, 2)
+) -> StatePages:
+    """Hybrid by hand: SSM layers 0 and 2 (or `ssm_layers`), attention layer 1 with KV of 9 tokens."""
     g = torch.Generator().manual_seed(seed)
     req = RequestState(req_id, [5, 17, 3, 99, 2, 8, 41, 7, 1], [12], 9, {"temperature": 0.7}, 1234 + seed, 32)
     pages = StatePages(req)
-    for layer in (0, 2):
+    for layer in ssm_layers:
         pages.layers[layer] = LayerPages(
             layer, "ssm", {"conv": rand((48, 3), dtype, g), "ssm": rand((8, 16, 16), dtype, g)}
         )
@@ -166,11 +170,15 @@ def _raw_send(address: str, parts: list[Any], token: str = TOKEN) -> None:
 
 
 def _flat(pages: StatePages) -> list[bytes]:
-    return [bytes(p) for frame in pages_to_frames(pages) for p in frame]
+    """Parts of one message: request frame, the conv run (SSM layers 0 and 2), the ssm run, the k
+    and v pages of attention layer 1, end frame -- the mangles below hit the conv run frame."""
+    parts = [bytes(p) for frame in pages_to_frames(pages) for p in frame]
+    assert msgpack.unpackb(parts[2])["kind"] == "run"
+    return parts
 
 
 def _corrupt(parts: list[bytes]) -> list[bytes]:
-    payload = bytearray(parts[3])  # the first page frame's payload
+    payload = bytearray(parts[3])  # the first run frame's payload
     payload[5] ^= 0x40
     return [*parts[:3], bytes(payload), *parts[4:]]
 
@@ -187,9 +195,19 @@ def _drop_payload(parts: list[bytes]) -> list[bytes]:
     return parts[:-1]
 
 
+def _bad_length(parts: list[bytes]) -> list[bytes]:
+    """The run's header names one layer fewer than its payload holds; its checksum recomputed, so
+    only the length check can tell."""
+    h = msgpack.unpackb(parts[2])
+    h["layers"] = h["layers"][:-1]
+    h["checksum"] = wire._checksum(h, parts[3])
+    return [*parts[:2], msgpack.packb(h), *parts[3:]]
+
+
 @pytest.mark.parametrize(
     "mangle,reason",
-    [(_corrupt, "checksum"), (_truncate, "truncated"), (_duplicate, "duplicate"), (_drop_payload, "pairs")],
+    [(_corrupt, "checksum"), (_truncate, "truncated"), (_duplicate, "duplicate"), (_drop_payload, "pairs"),
+     (_bad_length, "!= nbytes")],
 )
 def test_bad_frames_fail_the_request(
     rx: ZmqConnector, tx: ZmqConnector, table: ReservationTable, mangle: Any, reason: str
@@ -338,21 +356,28 @@ def test_many_messages_and_checksum_threads_round_trip(threads: int) -> None:
             assert pages.req_id in tx.get_finished()[0]
 
 
-def test_message_sizes_ramp_up_and_down_and_cover_the_request() -> None:
-    """The first and last messages are small (checksummed before / after the wire), the middle
-    ones at most `most`; the sizes add up to the request."""
-    mb = 1 << 20
-    sizes = _message_sizes(86 * mb, 2 * mb, 32 * mb)
-    assert sum(sizes) == 86 * mb and sizes[0] == sizes[-1] == 2 * mb and max(sizes) <= 32 * mb
-    assert sizes[:4] == [2 * mb, 4 * mb, 8 * mb, 16 * mb] and sizes[-4:] == [16 * mb, 8 * mb, 4 * mb, 2 * mb]
-    assert _message_sizes(3 * mb, 2 * mb, 32 * mb) == [3 * mb]  # too small to split
-    assert _message_sizes(5, 4, 1) == [1] * 5  # edge is capped by most
-    assert _message_sizes(0, 4, 8) == [0]
-
-
-def test_groups_cut_layers_at_the_message_sizes() -> None:
-    layers = [LayerPages(i, "ssm", {"ssm": torch.zeros(n, dtype=torch.uint8)}) for i, n in enumerate([3, 1, 1, 6, 1, 2])]
-    groups = _groups(layers, [2, 4, 6, 2])  # cuts at 2, 6, 12, 14 bytes; a group starts past each
-    assert [[p.layer_idx for p in g] for g in groups] == [[0], [1, 2, 3], [4], [5]]
-    assert [[p.layer_idx for p in g] for g in _groups(layers, [1] * 14)] == [[i] for i in range(6)]
-    assert _groups([], [0]) == [[]]
+@pytest.mark.parametrize("message_bytes", [1, 3000, 32 << 20])
+def test_pages_as_runs_round_trip(message_bytes: int) -> None:
+    """Pages as export_pages gives them (runs) go as run frames cut at layer boundaries into
+    messages, and arrive bit-exact -- as runs again (one per frame: the import's fast path when a
+    message held a whole run), checked on every byte."""
+    table = ReservationTable(ttl=10.0, token=TOKEN)
+    config = ZmqConfig(TOKEN, message_bytes=message_bytes, edge_message_bytes=message_bytes, checksum_threads=3)
+    with ZmqConnector(config, bind="tcp://127.0.0.1:0", reservations=table) as rx, ZmqConnector(config) as tx:
+        assert rx.address is not None
+        per_layer = make_pages(f"runs-{message_bytes}", torch.bfloat16, seed=message_bytes % 97,
+                               ssm_layers=(0, 2, 3, 4, 5, 6))  # runs of 6 layers, to cut
+        pages = StatePages(per_layer.request, runs=runs_of(per_layer.layers))
+        tx.send(pages, table.reserve(pages.req_id, rx.address, slot=0))
+        got = recv_one(rx, tx)
+        assert got is not None and not rx.get_failed()
+        assert got.runs is not None
+        names = sorted({(r.kind, r.name) for r in got.runs})
+        assert names == [("attention", "k"), ("attention", "v"), ("ssm", "conv"), ("ssm", "ssm")]
+        if message_bytes == 32 << 20:  # one message: one frame per run
+            assert sorted((r.name, r.layers) for r in got.runs) == sorted((r.name, r.layers) for r in runs_of(per_layer.layers))
+        else:
+            assert len(got.runs) > 4
+        assert_same(per_layer, got)
+        assert tx.flush(2.0) and tx.get_finished()[0] == {pages.req_id}
+        assert tx.get_stats()[pages.req_id].nbytes == pages.nbytes()
