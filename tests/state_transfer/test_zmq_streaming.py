@@ -163,3 +163,25 @@ def test_page_that_cannot_be_encoded_fails_its_request_only(
     assert tx.get_finished() == (set(), set())
     table.cancel("odd")
     good_request(rx, tx, table)
+
+
+def test_hand_over_of_several_layers_goes_as_runs_and_pages(
+    rx: ZmqConnector, tx: ZmqConnector, table: ReservationTable
+) -> None:
+    """One hand-over of layers 0 and 2: their small conv pages travel stacked as one run frame, their
+    large SSM pages (320 KB, above zmq_framing.STACK_BELOW) as a page frame each -- and the request
+    arrives bit-exact, each frame as one run of the received pages."""
+    assert rx.address is not None
+    pages = make_pages("mixed", seed=12)
+    g = torch.Generator().manual_seed(12)
+    for i in (0, 2):
+        pages.layers[i].tensors["ssm"] = torch.randn(80, 1000, generator=g) + 3.0
+    ticket = table.reserve("mixed", rx.address, slot=0)
+    stream(tx, pages, [[0, 2]], [1], ticket)
+    got = recv_one(rx, tx)
+    assert got is not None and got.runs is not None
+    assert sorted((r.name, r.layers) for r in got.runs) == [
+        ("conv", (0, 2)), ("k", (1,)), ("ssm", (0,)), ("ssm", (2,)), ("v", (1,))
+    ]
+    assert_same(pages, got)
+    assert len(table) == 0 and rx.get_failed() == {}
