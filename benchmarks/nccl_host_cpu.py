@@ -2,9 +2,10 @@
 bytes to matter: what is left is the Python and the launches per request, the part that keeps the
 connector below the link on the H200 (RESULTS.md). Two spawned processes; the sender posts `n`
 requests back to back and flushes, the receiver takes them; each side timed on its own clock,
-medians of `reps` rounds after a warm-up: the sender's `send` calls alone (its host work to post
-them), and end to end, from the sender's first `send` to the receiver holding the last request
-(perf_counter is CLOCK_MONOTONIC: one clock for both processes).
+medians of `reps` rounds after a warm-up: the sender's `send` calls alone (wall), end to end from
+the sender's first `send` to the receiver holding the last request (perf_counter is
+CLOCK_MONOTONIC: one clock for both processes), and the CPU time each process spent (all its
+threads, gloo's included: the host work, robust to a busy machine, which wall times are not).
 
     python benchmarks/nccl_host_cpu.py [--n 8] [--reps 30] [--pages mamba2|hybrid] [--coalesce-bytes 1]
 
@@ -37,9 +38,10 @@ def _sender(rendezvous: str, kind: str, n: int, reps: int, coalesce: int, go: An
     pages = make_pages("h", kind, torch.float32, PageShape.tiny())
     tx = NcclConnector(NcclConfig(TOKEN, rendezvous, timeout=30, send_timeout=30, coalesce_bytes=coalesce))
     assert tx.address is not None
-    starts, sends = [], []
+    starts, sends, cpu = [], [], []
     for r in range(reps + 1):
         go.get()  # the receiver reserved this round's requests
+        c0 = time.process_time()
         t0 = time.perf_counter()
         for j in range(n):
             rid = f"h{r}-{j}"
@@ -48,7 +50,8 @@ def _sender(rendezvous: str, kind: str, n: int, reps: int, coalesce: int, go: An
         starts.append(t0)
         assert tx.flush(30), tx.get_failed()
         tx.get_finished()
-    out.put(("sender", (starts[1:], sends[1:])))
+        cpu.append(time.process_time() - c0)
+    out.put(("sender", (starts[1:], sends[1:], cpu[1:])))
     go.get()
     tx.close()
 
@@ -63,16 +66,18 @@ def _receiver(kind: str, n: int, reps: int, go: Any, out: Any, rq: Any) -> None:
     rq.put(rx.rendezvous)
     while not rx.paired:
         rx.recv(timeout=0.05)
-    ends = []
+    ends, cpu = [], []
     for r in range(reps + 1):
         for j in range(n):
             table.reserve(f"h{r}-{j}", rx.address or "", slot=0)
         go.put(r)
+        c0 = time.process_time()
         got = [rx.recv(timeout=30) for _ in range(n)]
         ends.append(time.perf_counter())  # CLOCK_MONOTONIC: comparable with the sender's
+        cpu.append(time.process_time() - c0)
         assert all(g is not None for g in got), rx.get_failed()
         rx.get_finished()
-    out.put(("receiver", ends[1:]))
+    out.put(("receiver", (ends[1:], cpu[1:])))
     go.put(None)
     rx.close()
 
@@ -93,12 +98,15 @@ def main() -> None:
     got = dict(out.get(timeout=300) for _ in range(2))
     for p in (tx, rx):
         p.join(30)
-    starts, sends = got["sender"]
-    e2e = [end - start for start, end in zip(starts, got["receiver"], strict=True)]
+    starts, sends, tx_cpu = got["sender"]
+    ends, rx_cpu = got["receiver"]
+    e2e = [end - start for start, end in zip(starts, ends, strict=True)]
     print(json.dumps({
         "pages": a.pages, "n": a.n, "coalesce_bytes": a.coalesce_bytes,
         "send_calls_us_per_request": round(1e6 * statistics.median(sends) / a.n, 1),
         "end_to_end_us_per_request": round(1e6 * statistics.median(e2e) / a.n, 1),
+        "sender_cpu_us_per_request": round(1e6 * statistics.median(tx_cpu) / a.n, 1),
+        "receiver_cpu_us_per_request": round(1e6 * statistics.median(rx_cpu) / a.n, 1),
     }))
 
 

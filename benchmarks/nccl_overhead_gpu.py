@@ -149,7 +149,7 @@ def run(rank: int, port: int, q: Any, rq: Any) -> None:
     if rank == 0:
         conn._tx._held.cap = cap  # type: ignore[union-attr]
     if rank == 0:
-        # sender phases, one request: layout / sums queued / isend posted / metadata out / send done
+        # sender phases, one request: layout (with its sums trailer) / the sums alone again / on the host
         from pd_ssm.state_transfer.nccl_checksum import PendingSums
         from pd_ssm.state_transfer.nccl_message import layout
 
@@ -175,7 +175,7 @@ def run(rank: int, port: int, q: Any, rq: Any) -> None:
 
 def _instrument(rank: int) -> list[tuple[str, float]]:
     """Timestamps of the connector's steps (wrapped methods), for the phase split."""
-    from pd_ssm.state_transfer import nccl_batch, nccl_inbound, nccl_receiver, nccl_sender
+    from pd_ssm.state_transfer import nccl_batch, nccl_inbound, nccl_message, nccl_receiver, nccl_sender
 
     marks: list[tuple[str, float]] = []
 
@@ -191,10 +191,9 @@ def _instrument(rank: int) -> list[tuple[str, float]]:
         setattr(owner, name, timed)
 
     if rank == 0:
-        wrap(nccl_batch, "layout_many", "layout")
-        wrap(nccl_batch, "PendingSums", "sums")
-        wrap(nccl_sender.NcclSender, "_isend", "isend")
-        wrap(nccl_batch, "seal_sums", "seal")
+        wrap(nccl_batch, "layout_many", "layout")  # block sums into the trailer included
+        wrap(nccl_message, "write_sums", "sums")
+        wrap(nccl_sender.NcclSender, "_dispatch", "dispatch")  # metadata out, p2p send posted
         wrap(nccl_sender.NcclSender, "_check_dropped", "probe")
     else:
         wrap(nccl_receiver.NcclReceiver, "_read", "read")

@@ -30,11 +30,14 @@ def _block_sums_kernel(words_ptr, out_ptr, WORDS: tl.constexpr, CHUNK: tl.conste
     tl.store(out_ptr + block, tl.sum(acc, axis=0))
 
 
-def block_sums_triton(buf: torch.Tensor) -> torch.Tensor:
+def block_sums_triton(buf: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [n // 64 KiB] per-block sums of a 1-D uint8 buffer's int32 words (n a multiple of
-    64 KiB, n > 0), on the buffer's device, asynchronous."""
+    64 KiB, n > 0), on the buffer's device, asynchronous; into `out` (int64 [n // 64 KiB], same
+    device, contiguous: the sender's trailer) if given."""
     blocks = buf.numel() // (4 * _WORDS)
-    out = torch.empty(blocks, dtype=torch.int64, device=buf.device)
+    if out is None:
+        out = torch.empty(blocks, dtype=torch.int64, device=buf.device)
+    assert out.shape == (blocks,) and out.dtype == torch.int64 and out.device == buf.device and out.is_contiguous()
     # NOTE: Triton launches on the current CUDA device, which need not be the buffer's
     with torch.cuda.device(buf.device) if buf.is_cuda else nullcontext():
         _block_sums_kernel[(blocks,)](buf.view(torch.int32), out, WORDS=_WORDS, CHUNK=_CHUNK, num_warps=4)

@@ -1,30 +1,34 @@
-"""Checksums of the NCCL connector's coalesced buffer, computed where the buffer lives (GPU or CPU).
+"""Checksums of the NCCL connector's p2p buffer, computed where the buffer lives (GPU or CPU).
 
 zlib.crc32 would need every byte on the host: on CUDA that is a device->host copy of the whole
 request (168 MB for Mamba2-2.7B), as slow as the transfer itself. Instead the buffer is cut into
-BLOCK-byte blocks and one reduction kernel sums each block's 32-bit words into an int64; only those
-sums (8 bytes per 64 KiB, 0.01% of the payload) come to the host, where a run's checksum is the
-crc32 of the sums of the blocks it occupies. The sums are exact integers (at most 16384 words of
-|w| <= 2**31 per block: |sum| < 2**45, no overflow), so CPU and CUDA give identical results.
+BLOCK-byte blocks and one reduction kernel sums each block's 32-bit words into an int64. The
+sender's kernel writes its sums into the message itself, a trailer after the requests' bytes
+(`trailer_bytes`), so they travel with the bytes and nothing waits for them on the sender's host;
+the receiver sums what arrived the same way and compares, per run, its sums with the trailer's
+over the blocks the run occupies (8 bytes per 64 KiB, 0.01% of the payload, come to its host).
+The sums are exact integers (at most 16384 words of |w| <= 2**31 per block: |sum| < 2**45, no
+overflow), so CPU and CUDA give identical results. A run's header (layers, name, dtype, shape,
+offset, length) carries its own crc32 in the metadata (nccl_message.py).
 
 Why 64 KiB blocks, where the ZMQ wire (checksum.py) sums 4 KiB ones: the per-request host work is
-what limits this connector (the link moves 168 MB in ~0.55 ms), and with 4 KiB blocks the crc32
-over the sums alone took ~0.1 ms a side; the CPU sums here are checksum.py's, added up 16 at a time.
+what limits this connector (the link moves 168 MB in ~0.55 ms); the CPU sums here are
+checksum.py's, added up 16 at a time.
 
 What it catches: any single flipped bit (it changes its block's sum), truncated, shifted, stale
-or zeroed data, swapped or repeated blocks (the crc32 is over the ordered sums). What it misses:
-words permuted inside one block, and errors that cancel inside a block -- transport errors of that
-shape are not what we guard against; NCCL and TCP have their own link checks.
+or zeroed data, swapped or repeated blocks (each block compared in place), a mangled trailer (it
+no longer matches). What it misses: words permuted inside one block, and errors that cancel
+inside a block -- transport errors of that shape are not what we guard against; NCCL and TCP
+have their own link checks.
 
-Layout contract with nccl_message: every run starts at a BLOCK-aligned offset and the buffer
-length is a multiple of BLOCK; the gap after a run is zero-filled by the sender and is covered by
-that run's checksum, as is the run's header (layers, name, dtype, shape, offset, length).
+Layout contract with nccl_message: every run starts at a BLOCK-aligned offset and each
+request's part is a multiple of BLOCK; the gap after a run is zero-filled by the sender and is
+covered by that run's block sums.
 """
 
 from __future__ import annotations
 
-import zlib
-
+import numpy as np
 import torch
 
 from pd_ssm.state_transfer import checksum
@@ -40,6 +44,31 @@ def align(n: int) -> int:
     return -(-n // BLOCK) * BLOCK
 
 
+def trailer_bytes(payload: int) -> int:
+    """Bytes of the sums trailer after a `payload`-byte (a BLOCK multiple) message: 8 per block, padded to a block."""
+    return align(payload // BLOCK * 8)
+
+
+def write_sums(payload: torch.Tensor, trailer: torch.Tensor) -> None:
+    """Sender: the block sums of `payload` into the first 8 bytes per block of `trailer` (queued on
+    the current stream behind whatever wrote the payload; on the CPU at once). Both uint8 views."""
+    n = payload.numel() // BLOCK * 8
+    if n == 0:
+        return
+    if payload.device.type == "cpu":
+        trailer.numpy()[:n] = np.frombuffer(block_sums(payload), dtype=np.uint8)
+    else:
+        from pd_ssm.state_transfer.block_sums_triton import block_sums_triton
+
+        block_sums_triton(payload, out=trailer[:n].view(torch.int64))
+
+
+def same_sums(mine: bytes, theirs: bytes, offset: int, nbytes: int) -> bool:
+    """Whether the blocks of [offset, align(offset + nbytes)) summed the same on both sides."""
+    first, last = offset // BLOCK * 8, align(offset + nbytes) // BLOCK * 8
+    return mine[first:last] == theirs[first:last]
+
+
 def block_sums(buf: torch.Tensor) -> bytes:
     """Per-block sums of `buf`'s int32 words, as little-endian int64 bytes on the host.
 
@@ -48,32 +77,37 @@ def block_sums(buf: torch.Tensor) -> bytes:
 
 
 class PendingSums:
-    """Block sums on their way to the host. On CUDA: one kernel queued on the device's current
-    stream behind whatever wrote the buffer, copied into pinned memory without blocking the host
-    (a sender must not stall on its own pack kernel while the link could take the previous
-    request). On the CPU they are computed at once (numpy's integer reduction is ~10x torch's
-    there; the same integers)."""
+    """Block sums on their way to the host, with `trailer` (the sender's sums, received) if given.
+    On CUDA: one kernel queued on the current stream behind whatever wrote the buffer, copied into
+    pinned memory without blocking the host. On the CPU they are computed at once (numpy's integer
+    reduction is ~10x torch's there; the same integers)."""
 
-    def __init__(self, buf: torch.Tensor) -> None:
+    def __init__(self, buf: torch.Tensor, trailer: torch.Tensor | None = None) -> None:
         if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() % BLOCK:
             raise ValueError(
                 f"block_sums needs a 1-D uint8 buffer whose length is a multiple of {BLOCK}, "
                 f"got {buf.dtype} {tuple(buf.shape)}"
             )
         self._bytes: bytes | None = None
+        self._theirs = b""
         self._host: torch.Tensor | None = None
+        self._host_trailer: torch.Tensor | None = None
         self._done: torch.cuda.Event | None = None
         if buf.numel() == 0:
             self._bytes = b""
         elif buf.device.type == "cpu":
             small = checksum.host_block_sums(buf.numpy())
             self._bytes = sums_bytes(small.reshape(-1, _PER_BLOCK).sum(axis=1))
+            self._theirs = b"" if trailer is None else trailer.numpy().tobytes()
         else:
             from pd_ssm.state_transfer.block_sums_triton import block_sums_triton
 
             sums = block_sums_triton(buf)
             self._host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
             self._host.copy_(sums, non_blocking=True)
+            if trailer is not None:
+                self._host_trailer = torch.empty(trailer.shape, dtype=torch.uint8, pin_memory=True)
+                self._host_trailer.copy_(trailer, non_blocking=True)
             self._done = torch.cuda.current_stream(buf.device).record_event()
 
     def ready(self) -> bool:
@@ -85,12 +119,12 @@ class PendingSums:
             assert self._done is not None and self._host is not None
             self._done.synchronize()
             self._bytes = sums_bytes(self._host.numpy())
-            self._host = self._done = None
+            if self._host_trailer is not None:
+                self._theirs = self._host_trailer.numpy().tobytes()
+            self._host = self._host_trailer = self._done = None
         return self._bytes
 
-
-def tensor_checksum(sums: bytes, offset: int, nbytes: int, header: bytes) -> int:
-    """crc32 over the tensor's `header` (its description: a header edited in transit or by a buggy
-    sender fails too), then the block sums of [offset, align(offset + nbytes)) (offset BLOCK-aligned)."""
-    first, last = offset // BLOCK, align(offset + nbytes) // BLOCK
-    return zlib.crc32(sums[first * 8 : last * 8], zlib.crc32(header))
+    def theirs(self) -> bytes:
+        """The trailer's bytes (after `wait`): the sender's sums as it wrote them."""
+        self.wait()
+        return self._theirs

@@ -4,7 +4,8 @@ its requests parsed while their bytes are on the link, then acted on one request
 A data message may carry several requests (coalesced by the sender, nccl_batch.py). What needs
 no byte of the message -- each request frame and run-header list, checked -- is parsed once, as
 soon as the recv is posted, so that after the last byte lands only the block sums of the whole
-buffer (one pass) and, per request, a crc32 per run and the views are left. Each request then
+buffer (one pass; on NCCL already queued behind the recv) and, per request, a comparison of its
+runs' sums with the sender's trailer and the views are left. Each request then
 ends on its own: handed out, or failed with its own reason (a corrupt request does not take its
 siblings with it).
 """
@@ -34,7 +35,7 @@ class Inbound:
     buf: torch.Tensor | None = None  # where its p2p bytes land
     work: Any = None  # the posted recv, until it completed or failed
     lost: str | None = None  # why its bytes cannot come
-    sums: PendingSums | None = None  # block sums of `buf` (NCCL: queued behind the recv)
+    sums: PendingSums | None = None  # block sums of its requests' bytes, and the trailer (NCCL: queued behind the recv)
     parsed: list[Parsed] | None = None
     next: int = 0  # the next of its requests to act on
 
@@ -49,12 +50,14 @@ class Inbound:
             self.parsed = parse_requests(self.msg, self.control)
         return self.parsed
 
-    def block_sums(self) -> bytes:
-        """The block sums of the whole buffer (computed here on the CPU, where nothing queued them)."""
+    def block_sums(self) -> tuple[bytes, bytes]:
+        """(the block sums of the requests' bytes as received, the sender's from the trailer);
+        computed here on the CPU, where nothing queued them."""
         assert self.buf is not None
         if self.sums is None:
-            self.sums = PendingSums(self.buf)
-        return self.sums.wait()
+            payload = self.control.nbytes
+            self.sums = PendingSums(self.buf[:payload], self.buf[payload:])
+        return self.sums.wait(), self.sums.theirs()
 
 
 def parse_requests(msg: list[bytes], control: Control) -> list[Parsed]:

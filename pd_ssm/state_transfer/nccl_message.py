@@ -1,11 +1,13 @@
 """The NCCL connector's p2p buffer and the msgpack list that says where each run of tensors of a
 request sits in it (the side-channel control part is nccl_control.py).
 
-p2p: ONE uint8 buffer per data message, its requests' bytes back to back (each request's part a
-whole number of blocks, `Control.sizes`). A run is the tensors of one name and shape over the layers
-that have it (e.g. every SSM layer's "ssm" state), stacked in layer order; every run starts at a
-BLOCK-aligned offset (nccl_checksum.py) and the gaps are zero-filled, so the receiver hands out
-per-layer views of the buffer, no copy, and checks one checksum per run.
+p2p: ONE uint8 buffer per data message: its requests' bytes back to back (each request's part a
+whole number of blocks, `Control.sizes`), then the trailer of the sender's block sums of all of
+them (nccl_checksum.py). A run is the tensors of one name and shape over the layers that have it
+(e.g. every SSM layer's "ssm" state), stacked in layer order; every run starts at a BLOCK-aligned
+offset and the gaps are zero-filled, so the receiver hands out per-layer views of the buffer, no
+copy, and checks each run's blocks against the trailer. A run header's "checksum" is the crc32 of
+the header's own fields (`_describe`): a header edited in transit or by a buggy sender fails too.
 
 Parsing is as strict as wire.py's: every field typed and bounded, no ext types, and the runs
 must tile the buffer exactly, in order, so a malformed header can never make the receiver read
@@ -24,7 +26,13 @@ import numpy as np
 import torch
 
 from pd_ssm.cache.pages import PageRun, RequestState, StatePages
-from pd_ssm.state_transfer.nccl_checksum import BLOCK, align, block_sums, tensor_checksum
+from pd_ssm.state_transfer.nccl_checksum import (
+    PendingSums,
+    align,
+    same_sums,
+    trailer_bytes,
+    write_sums,
+)
 from pd_ssm.state_transfer.nccl_control import unpack_msgpack
 from pd_ssm.state_transfer.wire import (
     DTYPES,
@@ -51,8 +59,7 @@ class RunMeta:
     shape: tuple[int, ...]  # of ONE layer's tensor
     offset: int  # BLOCK-aligned
     nbytes: int  # len(layers) x one tensor's bytes
-    checksum: int  # nccl_checksum.tensor_checksum of this header and [offset, align(offset + nbytes))
-    header_crc: int  # crc32 of the header fields (`_describe`), computed at parse: the bytes need not be in
+    checksum: int  # crc32 of the header fields (`_describe`)
 
 
 _Source = torch.Tensor | list[torch.Tensor]  # a run's tensors: already stacked, or one per layer
@@ -82,14 +89,8 @@ def _runs(pages: StatePages) -> list[tuple[tuple[str, str, torch.dtype, torch.Si
 
 
 def pack(pages: StatePages, device: torch.device) -> tuple[torch.Tensor, list[dict[str, Any]]]:
-    """`layout`, then `seal` (waits for the device): the buffer and its sealed run headers."""
-    buf, metas = layout(pages, device)
-    seal(metas, buf)
-    return buf, metas
-
-
-def layout(pages: StatePages, device: torch.device) -> tuple[torch.Tensor, list[dict[str, Any]]]:
-    """One request's tensors in one uint8 buffer on `device` (`layout_many` of one)."""
+    """One request's tensors in one uint8 buffer on `device`, sums trailer included, and its run
+    headers (`layout_many` of one)."""
     buf, metas, _ = layout_many([pages], device)
     return buf, metas[0]
 
@@ -97,9 +98,9 @@ def layout(pages: StatePages, device: torch.device) -> tuple[torch.Tensor, list[
 def layout_many(
     pages: list[StatePages], device: torch.device
 ) -> tuple[torch.Tensor, list[list[dict[str, Any]]], list[int]]:
-    """Every request's tensors in ONE uint8 buffer on `device`, back to back (queued on the current
-    stream, not waited for); per request the header of each run (checksum still 0: `seal` /
-    `seal_sums` fill it in, offsets are into the whole buffer) and its size in the buffer.
+    """Every request's tensors in ONE uint8 buffer on `device`, back to back, then the trailer of
+    their block sums (all queued on the current stream, nothing waited for); per request the
+    header of each run (offsets into the whole buffer) and its size in the buffer.
 
     Tensors of the same name and shape over the layers form a run, stacked by ONE kernel straight
     into its place in the buffer: per-tensor work in Python (128 tensors for Mamba2-2.7B) would
@@ -113,10 +114,11 @@ def layout_many(
         metas.append(m)
         sizes.append(end - offset)
         offset = end
-    buf = torch.empty(offset, dtype=torch.uint8, device=device)
+    buf = torch.empty(offset + trailer_bytes(offset), dtype=torch.uint8, device=device)
     host = buf.numpy() if buf.device.type == "cpu" else None
     for m, sources in zip(metas, plans, strict=True):
         _fill(buf, host, m, sources)
+    write_sums(buf[:offset], buf[offset:])
     return buf, metas, sizes
 
 
@@ -131,7 +133,8 @@ def _plan(pages: StatePages, offset: int) -> tuple[list[dict[str, Any]], list[tu
             raise ValueError(f"dtype {dt} cannot go on the wire; allowed: {sorted(DTYPES)}")
         n = len(layers) * math.prod(shape) * dt.itemsize
         metas.append({"layers": layers, "page_kind": kind, "name": name, "dtype": dtype, "shape": list(shape),
-                      "offset": offset, "nbytes": n, "checksum": 0})
+                      "offset": offset, "nbytes": n,
+                      "checksum": zlib.crc32(_describe(layers, kind, name, dtype, shape, offset, n))})
         sources.append((dt, source))
         offset += align(n)
     return metas, sources, offset
@@ -160,15 +163,10 @@ def _fill(buf: torch.Tensor, host: np.ndarray | None, metas: list[dict[str, Any]
                 buf[start + n : end].zero_()
 
 
-def seal(metas: list[dict[str, Any]], buf: torch.Tensor) -> None:
-    """Fill in each run header's checksum (over the header itself and its bytes in `buf`)."""
-    seal_sums(metas, block_sums(buf))
-
-
-def seal_sums(metas: list[dict[str, Any]], sums: bytes) -> None:
-    """`seal` from the buffer's block sums (nccl_checksum.block_sums bytes), computed earlier."""
+def seal(metas: list[dict[str, Any]]) -> None:
+    """Each run header's checksum recomputed from its fields (a header edited on purpose)."""
     for m in metas:
-        m["checksum"] = tensor_checksum(sums, m["offset"], m["nbytes"], _describe(
+        m["checksum"] = zlib.crc32(_describe(
             m["layers"], m["page_kind"], m["name"], m["dtype"], m["shape"], m["offset"], m["nbytes"]
         ))
 
@@ -178,22 +176,27 @@ def _describe(layers: Any, kind: str, name: str, dtype: str, shape: Any, offset:
     return msgpack.packb([list(layers), kind, name, dtype, list(shape), offset, nbytes], use_bin_type=True)
 
 
+def block_sums_of(buf: torch.Tensor, payload: int) -> tuple[bytes, bytes]:
+    """(the block sums of buf[:payload], the trailer's): what `unpack` compares."""
+    sums = PendingSums(buf[:payload], buf[payload : payload + trailer_bytes(payload)])
+    return sums.wait(), sums.theirs()
+
+
 def unpack(
-    request: RequestState, metas: list[RunMeta], buf: torch.Tensor, device: torch.device, sums: bytes | None = None
+    request: RequestState, metas: list[RunMeta], buf: torch.Tensor, device: torch.device,
+    sums: tuple[bytes, bytes] | None = None,
 ) -> StatePages:
-    """Verify every run's checksum against `sums` (the block sums of the whole of `buf`; computed
-    here if None), then return the runs as views of `buf` (one copy per run if `device` differs).
-    The views keep all of `buf` alive, a coalesced message's other requests' bytes too."""
+    """Compare every run's blocks with the trailer's sums (`sums`: `block_sums_of` the message;
+    computed here if None, for a buffer of this one request), then return the runs as views of `buf` (one copy per run if `device`
+    differs). The views keep all of `buf` alive, a coalesced message's other requests' bytes too."""
     if sums is None:
-        sums = block_sums(buf)
+        sums = block_sums_of(buf, align(metas[-1].offset + metas[-1].nbytes) if metas else 0)
+    mine, theirs = sums
     runs: list[PageRun] = []
     for m in metas:
-        got = zlib.crc32(sums[m.offset // BLOCK * 8 : align(m.offset + m.nbytes) // BLOCK * 8], m.header_crc)
-        if got != m.checksum:
-            raise FrameError(
-                f"checksum mismatch on {m.name!r} of layers {list(m.layers)}: computed {got:#010x}, "
-                f"sent {m.checksum:#010x}"
-            )
+        if not same_sums(mine, theirs, m.offset, m.nbytes):
+            raise FrameError(f"checksum mismatch on {m.name!r} of layers {list(m.layers)}: its bytes' block sums "
+                             "differ from the sender's")
         stacked = buf[m.offset : m.offset + m.nbytes].view(m.dtype).view(len(m.layers), *m.shape)
         runs.append(PageRun(m.page_kind, m.name, m.layers, stacked.to(device)))
     return StatePages(request, runs=runs)
@@ -264,6 +267,8 @@ def _run_meta(d: Any, offset: int) -> RunMeta:
         raise FrameError(f"run header: {len(layers)} layers x shape {shape} x {dtype.itemsize} B != nbytes {d['nbytes']}")
     if d["offset"] != offset:
         raise FrameError(f"run header: offset {d['offset']} but the previous run ended at {offset}")
-    header = _describe(layers, d["page_kind"], d["name"], d["dtype"], shape, offset, d["nbytes"])
-    return RunMeta(tuple(layers), d["page_kind"], d["name"], dtype, tuple(shape), offset, d["nbytes"], d["checksum"],
-                   zlib.crc32(header))
+    got = zlib.crc32(_describe(layers, d["page_kind"], d["name"], d["dtype"], shape, offset, d["nbytes"]))
+    if got != d["checksum"]:
+        raise FrameError(f"checksum mismatch on {d['name']!r} of layers {layers}: header computed {got:#010x}, "
+                         f"sent {d['checksum']:#010x}")
+    return RunMeta(tuple(layers), d["page_kind"], d["name"], dtype, tuple(shape), offset, d["nbytes"], d["checksum"])

@@ -20,7 +20,7 @@ import zmq
 from pd_ssm.cache.pages import StatePages
 from pd_ssm.state_transfer.base import TransferStats
 from pd_ssm.state_transfer.ledger import TransferLedger
-from pd_ssm.state_transfer.nccl_checksum import PendingSums
+from pd_ssm.state_transfer.nccl_checksum import PendingSums, trailer_bytes
 from pd_ssm.state_transfer.nccl_config import NcclConfig
 from pd_ssm.state_transfer.nccl_control import Control, parse_control
 from pd_ssm.state_transfer.nccl_group import (
@@ -128,9 +128,10 @@ class NcclReceiver:
             item.lost = f"sent on pairing generation {control.gen}, which is gone (its sender died or was replaced)"
             return item
         try:
-            if control.nbytes > self.config.max_message_bytes:
-                raise RuntimeError(f"{control.nbytes} bytes exceed max_message_bytes {self.config.max_message_bytes}")
-            item.buf = torch.empty(control.nbytes, dtype=torch.uint8, device=self.device)
+            total = control.nbytes + trailer_bytes(control.nbytes)  # the sender's block sums after the requests
+            if total > self.config.max_message_bytes:
+                raise RuntimeError(f"{total} bytes exceed max_message_bytes {self.config.max_message_bytes}")
+            item.buf = torch.empty(total, dtype=torch.uint8, device=self.device)
         except RuntimeError as e:  # torch.OutOfMemoryError is one too
             # NOTE: bytes we cannot take would misalign the stream: the pairing goes (the sender
             # re-pairs); a forged message never gets to allocate more than the cap
@@ -153,10 +154,11 @@ class NcclReceiver:
         of after the host noticed and launched them; a recv that never completes (peer dead,
         communicator aborted) can stall only that stream."""
         assert self._side is not None and item.buf is not None
+        payload = item.control.nbytes
         with torch.cuda.stream(self._side):
             item.work.wait()
             item.buf.record_stream(self._side)
-            return PendingSums(item.buf)
+            return PendingSums(item.buf[:payload], item.buf[payload:])
 
     def _finish(self, item: Inbound) -> StatePages | None:
         """The next message in order: act on it, or on the next of its requests -- waiting for its

@@ -7,22 +7,18 @@ after its peer is lost it fails what was in flight, holds no buffer, and re-pair
 `send` never waits for the device. A request that finds the link idle goes out at once; one that
 comes while an earlier message is still on its way is held and coalesced with the others held
 into one data message (nccl_batch.py says when, and why that costs a lone request nothing). A
-message is posted by queueing its layout kernels, posting its p2p send (NCCL orders it after the
-layout on the stream; the receiver's recv may come later) and queueing its block sums; it is then
-"sealing". Its metadata -- which needs the sums on the host for the checksums -- goes out once
-they are there, in posting order (every `send`, `reap` and `flush` pushes out what is ready), so
-the host packs the next message while the device packs and the link carries the previous ones.
-The side channel and the p2p stream carry messages in the same order; a metadata message the
-receiver does not take within `send_timeout` therefore breaks the stream: the pairing is dropped,
-failing what was in flight.
+message is posted by queueing its layout and block-sum kernels (the sums go into the message's
+trailer, nccl_checksum.py), sending its metadata -- all known on the host, nothing waits for the
+device -- and posting its p2p send (NCCL orders it after the kernels on the stream), so the
+receiver posts its recv while the device still packs. The side channel and the p2p stream carry
+messages in the same order; metadata the receiver does not take within `send_timeout` fails the
+message (no byte of it was posted) and drops the pairing: the peer does not answer.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +27,7 @@ import zmq
 from pd_ssm.cache.pages import StatePages
 from pd_ssm.state_transfer.base import Ticket, TransferStats
 from pd_ssm.state_transfer.ledger import TransferLedger
-from pd_ssm.state_transfer.nccl_batch import OutBatch
+from pd_ssm.state_transfer.nccl_batch import OutMessage, build
 from pd_ssm.state_transfer.nccl_coalesce import Coalescer, Queued
 from pd_ssm.state_transfer.nccl_config import NcclConfig
 from pd_ssm.state_transfer.nccl_control import Control
@@ -49,18 +45,6 @@ _PROBE_TIMEOUT = 1.0  # seconds a liveness probe of the rendezvous store may tak
 _REAP_PROBE_S = 0.02  # seconds between the store probes of `reap` (flush always probes)
 
 
-@dataclass(slots=True)
-class _Outgoing:
-    """A posted data message."""
-
-    req_ids: list[str]
-    sizes: list[int]  # each request's bytes in `buf`
-    starts: list[float]  # time.monotonic() of each request's send
-    buf: torch.Tensor  # kept alive until the p2p send completed
-    work: Any  # torch.distributed Work of the p2p send; None: no bytes, sent once its metadata is out
-    batch: OutBatch | None  # its metadata, until sent (None: posted whole by `post`)
-
-
 class NcclSender:
     def __init__(self, config: NcclConfig, ledger: TransferLedger, ctx: zmq.Context) -> None:
         self.config = config
@@ -76,8 +60,7 @@ class NcclSender:
         # taken by `send`, not posted yet: the next message's requests. NOTE: within both caps, so
         # a coalesced message never exceeds what the receiver takes
         self._held = Coalescer(min(config.coalesce_bytes, config.max_message_bytes))
-        self._pending: deque[_Outgoing] = deque()  # p2p sends posted; they complete in posting order
-        self._sealing: deque[_Outgoing] = deque()  # posted, metadata not sent yet; FIFO
+        self._pending: deque[OutMessage] = deque()  # p2p sends posted; they complete in posting order
         self._lost = "peer lost"  # why the last pairing went (a request held meanwhile fails with it)
         self._probed = 0.0  # time.monotonic() of reap's last store probe
 
@@ -89,8 +72,7 @@ class NcclSender:
     def in_flight(self) -> int:
         """Requests taken by `send` whose send has not completed: held for the next message, or
         posted (their message holds its buffer until its p2p send completed)."""
-        posted = {id(o): len(o.req_ids) for o in (*self._pending, *self._sealing)}  # a message may be in both
-        return len(self._held) + sum(posted.values())
+        return len(self._held) + sum(len(out.req_ids) for out in self._pending)
 
     def pair(self, rendezvous: str | None = None) -> None:
         if rendezvous is not None:
@@ -131,19 +113,16 @@ class NcclSender:
             self._post(full)  # the held ones go, this one starts the next message
         if not self._link_busy():
             self._post(self._held.take())
-        self._seal(wait=False)
 
     def _link_busy(self) -> bool:
-        """Whether an earlier message is still on its way: metadata not out yet, or (NCCL) its p2p
-        send not completed. Gloo cannot tell: any send posted and not flushed counts as busy."""
-        if self._sealing:
-            return True
+        """Whether an earlier message is still on its way ((NCCL) its p2p send not completed).
+        Gloo cannot tell: any send posted and not flushed counts as busy."""
         if not self._pending or self._group is None:
             return False
         return self._group.done(self._pending[-1].work) is not True
 
     def _post(self, held: list[Queued]) -> None:
-        """Post `held` as ONE data message: layout, p2p send, block sums queued."""
+        """Post `held` as ONE data message."""
         if not held:
             return
         if self._group is None:  # the pairing went while they were held
@@ -151,7 +130,7 @@ class NcclSender:
                 self.ledger.fail(q.pages.req_id, self._lost)
             return
         try:
-            batch = OutBatch(held, self.device, self._group.gen)
+            out = build(held, self.device, self._group.gen, self._token)
         except ValueError as e:  # a tensor whose dtype cannot go on the wire: that request alone fails
             if len(held) == 1:
                 self.ledger.fail(held[0].pages.req_id, str(e))
@@ -159,77 +138,49 @@ class NcclSender:
             for q in held:
                 self._post([q])
             return
-        out = _Outgoing(batch.req_ids, batch.sizes, batch.starts, batch.buf, None, batch)
-        if self._isend(out):
-            batch.queue_sums()
-            self._sealing.append(out)
+        self._dispatch(out)
 
-    def _isend(self, out: _Outgoing) -> bool:
-        """Post the p2p send of `out`'s buffer (none for an empty one); False if the peer is gone."""
+    def _dispatch(self, out: OutMessage) -> None:
+        """Metadata out, then the p2p send of the buffer (none for a message without bytes, which
+        is sent once its metadata is out)."""
+        assert self._push is not None and self._group is not None
+        try:
+            self._push.send_multipart(out.parts)
+        except zmq.Again:  # nothing of it is on the stream, but the peer does not answer: re-pair next time
+            why = f"peer {self.address} did not take the metadata within {self.config.send_timeout} s"
+            for req_id in out.req_ids:
+                self.ledger.fail(req_id, why)
+            self.lose_peer(why)
+            return
+        out.parts = []
         if out.buf.numel() == 0:
-            return True
-        assert self._group is not None
+            self._complete(out)
+            return
         try:
             out.work = self._group.isend(out.buf)
         except RuntimeError as e:  # gloo refuses at once on a pair whose peer is gone
-            for req_id in out.req_ids:
-                self.ledger.fail(req_id, f"peer lost: {e}")
+            self._pending.append(out)
             self.lose_peer(f"peer lost: {e}")
-            return False
+            return
         self._pending.append(out)
-        return True
 
-    def _seal(self, wait: bool) -> None:
-        """Send the metadata of every sealing message whose sums are on the host, in order (all of
-        them with `wait`). A refused one breaks the stream (its bytes are posted): peer lost."""
-        while self._sealing and self._push is not None:
-            head = self._sealing[0]
-            assert head.batch is not None
-            if not wait and not head.batch.ready():
-                return
-            parts = head.batch.parts(self._token)
-            head.batch = None  # the request frames and run headers are not needed any more
-            self._sealing.popleft()
-            try:
-                self._push.send_multipart(parts)
-            except zmq.Again:
-                why = f"peer {self.address} did not take the metadata within {self.config.send_timeout} s"
-                if head.work is None:  # not in _pending: lose_peer would not fail it
-                    for req_id in head.req_ids:
-                        self.ledger.fail(req_id, why)
-                self.lose_peer(why)
-                return
-            if head.work is None:
-                self._complete(head)
-
-    def post(self, req_ids: list[str], parts: list[Any], buf: torch.Tensor, start: float) -> None:
-        """Metadata parts out, then the p2p send of `buf`, after everything sent before. Public so
-        fault tests can post a message they mangled; `send` is the way to post requests."""
+    def post(self, req_ids: list[str], parts: list[bytes | memoryview], buf: torch.Tensor, start: float) -> None:
+        """`parts` out, then the p2p send of `buf`, after everything sent before. Public so fault
+        tests can post a message they mangled; `send` is the way to post requests."""
         self._post(self._held.take())
-        self._seal(wait=True)
         if self._push is None or self._group is None:
             raise RuntimeError("this NcclConnector is not paired: call pair() first")
         n = len(req_ids)
-        out = _Outgoing(req_ids, [buf.numel() // max(1, n)] * n, [start] * n, buf, None, None)
-        try:
-            self._push.send_multipart(parts)
-        except zmq.Again:
-            for req_id in req_ids:
-                self.ledger.fail(req_id, f"peer {self.address} did not take the metadata within {self.config.send_timeout} s")
-            return
-        if self._isend(out) and out.work is None:
-            self._complete(out)
+        self._dispatch(OutMessage(req_ids, [buf.numel() // max(1, n)] * n, [start] * n, buf, list(parts)))
 
     def abort(self, req_id: str) -> None:
         """Tell the receiver to release the reservation of `req_id` now rather than at its expiry.
         Held, it never leaves (the others held go out now). Best effort once posted: its bytes are
-        on the stream regardless, and its message's metadata goes out first (waiting for its sums
-        if it is still sealing) so the receiver reads them in order; the abort never blocks."""
+        on the stream regardless, and the receiver reads the abort after them; never blocks."""
         self._held.drop(req_id)
         if self._push is None or self._group is None:
             return
         self._post(self._held.take())
-        self._seal(wait=True)  # its metadata first, if it is still sealing: the side channel keeps order
         if self._push is None or self._group is None:
             return
         try:
@@ -240,7 +191,6 @@ class NcclSender:
     def flush(self, timeout: float) -> bool:
         end = time.monotonic() + timeout
         self._post(self._held.take())
-        self._seal(wait=True)  # the receiver posts a recv only once it has the metadata
         # NOTE: probe first: a gloo send whose receiver died before posting its recv is never
         # failed by gloo, and a gloo wait cannot be sliced (a timed-out wait ends the Work)
         self._check_dropped()
@@ -252,7 +202,7 @@ class NcclSender:
                 break
             self._complete(self._pending.popleft())
         self._check_dropped()  # and after: the receiver may have dropped what it just read
-        return not self._pending
+        return not self._pending and not self._held
 
     def reap(self) -> None:
         """Post what is held, report completed sends without blocking where the backend can tell
@@ -260,7 +210,6 @@ class NcclSender:
         receiver dropped (a store round trip, ~0.1-0.2 ms: at most every _REAP_PROBE_S, since a
         worker loop reaps each turn)."""
         self._post(self._held.take())
-        self._seal(wait=False)
         now = time.monotonic()
         if now - self._probed >= _REAP_PROBE_S:
             self._probed = now
@@ -290,23 +239,22 @@ class NcclSender:
         if dropped:
             self.lose_peer(f"the receiver dropped the pairing ({reason})")
 
-    def _complete(self, out: _Outgoing) -> None:
+    def _complete(self, out: OutMessage) -> None:
         now = time.monotonic()
         for req_id, size, start in zip(out.req_ids, out.sizes, out.starts, strict=True):
             self.ledger.sent(TransferStats(req_id, size, now - start))
 
     def lose_peer(self, reason: str) -> None:
-        """Fail every request in flight -- held, sealing, posted -- (aborted ones silently) and tear
-        the group down; the peer's pending ops then fail too, so it notices at once."""
+        """Fail every request in flight -- held or posted -- (aborted ones silently) and tear the
+        group down; the peer's pending ops then fail too, so it notices at once."""
         self._lost = reason
         req_ids = [q.pages.req_id for q in self._held.take()]
-        for out in {id(o): o for o in (*self._pending, *self._sealing)}.values():  # a message may be in both
+        for out in self._pending:
             req_ids += out.req_ids
         for req_id in req_ids:
             if not self.ledger.is_aborted(req_id):
                 self.ledger.fail(req_id, reason)
         self._pending.clear()
-        self._sealing.clear()
         if self._group is not None:
             self._group.close()
             self._group = None

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from pd_ssm.state_transfer.nccl_batch import OutBatch, Queued
+from pd_ssm.state_transfer.nccl_batch import OutMessage, build
+from pd_ssm.state_transfer.nccl_coalesce import Queued
 from pd_ssm.state_transfer.nccl_config import NcclConfig
 from pd_ssm.state_transfer.nccl_connector import NcclConnector
 from pd_ssm.state_transfer.nccl_control import Control
@@ -114,30 +115,28 @@ def test_a_message_holds_at_most_coalesce_bytes(messages: list[tuple[str, ...]])
 # ------------------------------------------------------------------------------------ faults
 
 
-def _flip_payload(parts: list[Any], batch: OutBatch) -> str:
-    batch.buf[batch.sizes[0] + 37] ^= 0x10  # a byte of s1's first run, after its checksum was sealed
+def _flip_payload(parts: list[Any], batch: OutMessage) -> str:
+    batch.buf[batch.sizes[0] + 37] ^= 0x10  # a byte of s1's first run, after the sums went into the trailer
     return "checksum mismatch"
 
 
-def _truncate_request(parts: list[Any], batch: OutBatch) -> str:
+def _truncate_request(parts: list[Any], batch: OutMessage) -> str:
     parts[2 + 3 + 1] = bytes(parts[2 + 3 + 1])[:-2]  # s1's request payload
     return "truncated"
 
 
-def _runs_elsewhere(parts: list[Any], batch: OutBatch) -> str:
+def _runs_elsewhere(parts: list[Any], batch: OutMessage) -> str:
     parts[2 + 3 + 2] = parts[2 + 2]  # s1 sent with s0's run headers: they lie outside s1's part
     return "offset"
 
 
-def _mangled_sibling(mangle: Callable[[list[Any], OutBatch], str]) -> Callable[[NcclConnector], None]:
+def _mangled_sibling(mangle: Callable[[list[Any], OutMessage], str]) -> Callable[[NcclConnector], None]:
     def script(tx: NcclConnector) -> None:
         assert tx._tx is not None and tx._tx._group is not None
         queued = [Queued(sibling(i), time.monotonic(), sibling(i).nbytes()) for i in range(3)]
-        batch = OutBatch(queued, torch.device("cpu"), tx._tx._group.gen)
-        batch.queue_sums()
-        parts = batch.parts(TOKEN.encode())
-        mangle(parts, batch)
-        tx._tx.post(batch.req_ids, parts, batch.buf, time.monotonic())
+        out = build(queued, torch.device("cpu"), tx._tx._group.gen, TOKEN.encode())  # sums trailer written
+        mangle(out.parts, out)
+        tx._tx.post(out.req_ids, out.parts, out.buf, time.monotonic())
         tx.send(make_pages("good", torch.bfloat16, seed=2), ticket(tx, "good"))
 
     return script

@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import torch
 
-from pd_ssm.state_transfer.nccl_checksum import BLOCK
+from pd_ssm.state_transfer.nccl_checksum import BLOCK, align
 from pd_ssm.state_transfer.nccl_connector import NcclConnector
 from pd_ssm.state_transfer.nccl_control import Control
 from pd_ssm.state_transfer.nccl_message import pack, seal
@@ -40,7 +40,8 @@ def _message(tx: NcclConnector, req_id: str) -> tuple[Parts, list[dict[str, Any]
     buf, metas = pack(pages, torch.device("cpu"))
     header, payload = encode_request(pages.request)
     gen = tx._tx._group.gen  # type: ignore[union-attr]
-    return [TOKEN.encode(), Control.data(gen, [req_id], [buf.numel()]).encode(), header, payload, None], metas, buf
+    size = align(metas[-1]["offset"] + metas[-1]["nbytes"])  # the request's part; its sums trailer follows
+    return [TOKEN.encode(), Control.data(gen, [req_id], [size]).encode(), header, payload, None], metas, buf
 
 
 def _send_mangled_then_good(mangle: Mangle, tx: NcclConnector) -> None:
@@ -70,8 +71,9 @@ def claim_more_bytes(parts: Parts, metas: list[dict[str, Any]], buf: torch.Tenso
 
 
 def claim_a_block_more(parts: Parts, metas: list[dict[str, Any]], buf: torch.Tensor) -> tuple[Parts, torch.Tensor]:
-    metas.append({**metas[-1], "offset": buf.numel(), "name": "extra"})  # beyond the p2p message
-    seal(metas[-1:], torch.cat([buf, torch.zeros(BLOCK, dtype=torch.uint8)]))
+    end = align(metas[-1]["offset"] + metas[-1]["nbytes"])
+    metas.append({**metas[-1], "offset": end, "name": "extra"})  # beyond the request's part
+    seal(metas[-1:])
     return parts, buf
 
 
@@ -108,7 +110,7 @@ def drop_request_parts(parts: Parts, metas: list[dict[str, Any]], buf: torch.Ten
 
 def repeat_a_tensor(parts: Parts, metas: list[dict[str, Any]], buf: torch.Tensor) -> tuple[Parts, torch.Tensor]:
     metas[1]["name"] = metas[0]["name"]  # the "ssm" run renamed "conv": a buggy exporter, checksums resealed
-    seal(metas, buf)
+    seal(metas)
     return parts, buf
 
 

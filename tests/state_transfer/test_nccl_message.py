@@ -4,11 +4,13 @@ is covered."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgpack
 import pytest
 import torch
 
-from pd_ssm.state_transfer.nccl_checksum import BLOCK, align, block_sums
+from pd_ssm.state_transfer.nccl_checksum import BLOCK, align, block_sums, trailer_bytes
 from pd_ssm.state_transfer.nccl_control import Control, parse_control
 from pd_ssm.state_transfer.nccl_message import pack, parse_tensors, unpack
 from pd_ssm.state_transfer.wire import FrameError
@@ -19,14 +21,36 @@ def test_pack_aligns_every_run_and_unpack_returns_views() -> None:
     pages = make_pages("r", torch.bfloat16, seed=11)
     buf, metas = pack(pages, torch.device("cpu"))
     assert [(m["name"], m["layers"]) for m in metas] == [("conv", [0, 2]), ("ssm", [0, 2]), ("k", [1]), ("v", [1])]
+    payload = sum(align(m["nbytes"]) for m in metas)
     assert buf.numel() % BLOCK == 0 and all(m["offset"] % BLOCK == 0 for m in metas)
-    assert buf.numel() == sum(align(m["nbytes"]) for m in metas)
-    got = unpack(pages.request, parse_tensors(msgpack.packb(metas), 0, buf.numel()), buf, torch.device("cpu"))
+    assert buf.numel() == payload + trailer_bytes(payload)
+    assert buf[payload : payload + payload // BLOCK * 8].numpy().tobytes() == block_sums(buf[:payload])  # the trailer
+    got = unpack(pages.request, parse_tensors(msgpack.packb(metas), 0, payload), buf, torch.device("cpu"))
     assert_same(pages, got)
     ssm = got.layers[2].tensors["ssm"]
     assert ssm.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()  # a view, no copy
     gap = buf[metas[0]["nbytes"] : align(metas[0]["nbytes"])]
     assert gap.numel() > 0 and not gap.any()  # padding is zeros, so both sides sum the same
+
+
+def _payload(metas: list[dict[str, Any]]) -> int:
+    """The bytes of a one-request buffer before its sums trailer."""
+    return align(metas[-1]["offset"] + metas[-1]["nbytes"])
+
+
+def test_a_flipped_byte_or_a_mangled_trailer_fails_its_run_only() -> None:
+    pages = make_pages("r", torch.float32, seed=15)
+    buf, metas = pack(pages, torch.device("cpu"))
+    runs = parse_tensors(msgpack.packb(metas), 0, _payload(metas))
+    bad = buf.clone()
+    bad[metas[2]["offset"] + 5] ^= 0x01  # a byte of the "k" run
+    with pytest.raises(FrameError, match="checksum mismatch on 'k'"):
+        unpack(pages.request, runs, bad, torch.device("cpu"))
+    bad = buf.clone()
+    bad[_payload(metas) + 8 * (metas[1]["offset"] // BLOCK)] ^= 0x01  # the sender's sum of the "ssm" run's first block
+    with pytest.raises(FrameError, match="checksum mismatch on 'ssm'"):
+        unpack(pages.request, runs, bad, torch.device("cpu"))
+    assert_same(pages, unpack(pages.request, runs, buf, torch.device("cpu")))
 
 
 def test_block_sums_are_exact_integers() -> None:
@@ -54,7 +78,7 @@ def test_checksum_covers_the_run_header(field: str, value: object) -> None:
     else:
         meta[field] = value
     with pytest.raises(FrameError, match="checksum mismatch"):
-        unpack(pages.request, parse_tensors(msgpack.packb(metas), 0, buf.numel()), buf, torch.device("cpu"))
+        unpack(pages.request, parse_tensors(msgpack.packb(metas), 0, _payload(metas)), buf, torch.device("cpu"))
 
 
 def test_control_part_is_strict() -> None:
@@ -93,7 +117,7 @@ def test_run_layers_are_checked(edit: dict[str, object]) -> None:
     buf, metas = pack(pages, torch.device("cpu"))
     metas[0].update(edit)
     with pytest.raises(FrameError, match="layers"):
-        parse_tensors(msgpack.packb(metas), 0, buf.numel())
+        parse_tensors(msgpack.packb(metas), 0, _payload(metas))
 
 
 def test_a_layer_claimed_by_two_runs_is_refused() -> None:
@@ -102,6 +126,6 @@ def test_a_layer_claimed_by_two_runs_is_refused() -> None:
     metas[3]["name"] = "k"  # "v" of layer 1 renamed: layer 1 would get "k" twice
     from pd_ssm.state_transfer.nccl_message import seal
 
-    seal(metas, buf)  # a consistent sender bug, not line noise: the checksums agree
+    seal(metas)  # a consistent sender bug, not line noise: the checksums agree
     with pytest.raises(FrameError, match="repeated"):
-        unpack(pages.request, parse_tensors(msgpack.packb(metas), 0, buf.numel()), buf, torch.device("cpu"))
+        unpack(pages.request, parse_tensors(msgpack.packb(metas), 0, _payload(metas)), buf, torch.device("cpu"))
