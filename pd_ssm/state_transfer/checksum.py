@@ -42,6 +42,9 @@ _PAD_BELOW = 256 << 10  # bytes: a smaller payload with a partial block is summe
 # bytes: a payload is cut into pieces for the pool no smaller than this (each piece costs a few
 # numpy calls of GIL, ~10 us; 1 MiB sums in ~100 us)
 _MIN_PIECE = 1 << 20
+# bytes: ... and no larger than this, so a piece is still in cache when the lane sums read it again
+# after the block sums (86 MB summed in 1-4 MB pieces: ~12% less CPU than in 16 MB ones)
+_MAX_PIECE = 2 << 20
 
 Buffer = bytes | bytearray | memoryview
 _Item = TypeVar("_Item")
@@ -158,12 +161,13 @@ class Piece(NamedTuple):
 
 def sum_shares(sizes: Sequence[int], n: int, min_piece: int = _MIN_PIECE) -> list[list[Piece]]:
     """The checksum work of payloads of `sizes` bytes, as at most `n` shares of about equal bytes
-    for a pool of `n` threads: a payload larger than a share is cut into BLOCK-aligned pieces, so
-    one 32 MB run frame keeps every thread busy as well as 12 page frames did. Every payload has
+    for a pool of `n` threads: a payload larger than a share (or than _MAX_PIECE) is cut into
+    BLOCK-aligned pieces, so one 32 MB run frame keeps every thread busy as well as 12 page
+    frames did. Every payload has
     at least one piece (an empty one for an empty payload); in order, so the pieces of each
     payload are consecutive and ascending."""
     align_to = max(BLOCK, align(min_piece))
-    piece = max(align_to, align(-(-sum(sizes) // max(n, 1))))
+    piece = max(align_to, min(_MAX_PIECE, align(-(-sum(sizes) // max(n, 1)))))
     pieces = [Piece(i, start, min(start + piece, size)) for i, size in enumerate(sizes)
               for start in range(0, max(size, 1), piece)]
     return even_shares(pieces, n, lambda p: p.stop - p.start)
