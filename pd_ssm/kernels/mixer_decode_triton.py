@@ -9,8 +9,8 @@ sum of squares instead of y, so y never goes through memory and the gated norm's
 Why the conv stays a launch of its own: a single kernel (each program convolving its x channels
 and recomputing its group's B and C, the B/C history shifted by the last program of a sequence to
 arrive at an atomic counter) measured the same at batch 1 (6.3 against 6.2 us a layer, H200) and
-13-15% slower at batch 32 and 128 (benchmarks/decode_step_gpu.py, RESULTS.md session 4): every
-program reloading B, C and their history from L2 costs more than one conv launch.
+13-15% slower than the conv launch + this kernel at batch 32 and 128 (benchmarks/decode_step_gpu.py,
+RESULTS.md session 4): every program reloading B, C and their history costs more than a launch.
 """
 
 from __future__ import annotations
