@@ -149,23 +149,28 @@ def run(rank: int, port: int, q: Any, rq: Any) -> None:
     if rank == 0:
         conn._tx._held.cap = cap  # type: ignore[union-attr]
     if rank == 0:
-        # sender phases, one request: layout (with its sums trailer) / the sums alone again / on the host
+        # sender phases, one request: plan (metadata) / buffer laid out with its sums trailer
+        # (queued) / the device done / one more block-sum pass, queued and on the host
         from pd_ssm.state_transfer.nccl_checksum import PendingSums
-        from pd_ssm.state_transfer.nccl_message import layout
+        from pd_ssm.state_transfer.nccl_message import fill, plan
 
-        ph: dict[str, list[float]] = {"layout": [], "sums_queued": [], "sums_on_host": []}
+        ph: dict[str, list[float]] = {"plan": [], "fill": [], "fill_on_device": [], "sums_queued": [],
+                                      "sums_on_host": []}
         for _ in range(REPS):
             torch.cuda.synchronize(dev)
             t0 = time.perf_counter()
-            b, metas = layout(pages, dev)
+            planned = plan([pages])
             t1 = time.perf_counter()
-            s = PendingSums(b)
+            b = fill(planned, dev)
             t2 = time.perf_counter()
-            s.wait()
+            torch.cuda.synchronize(dev)
             t3 = time.perf_counter()
-            ph["layout"].append(t1 - t0)
-            ph["sums_queued"].append(t2 - t1)
-            ph["sums_on_host"].append(t3 - t2)
+            s = PendingSums(b[: planned.payload])
+            t4 = time.perf_counter()
+            s.wait()
+            t5 = time.perf_counter()
+            for key, v in zip(ph, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
+                ph[key].append(v)
         res.update(ph)
     dist.barrier()
     conn.close()
@@ -191,7 +196,7 @@ def _instrument(rank: int) -> list[tuple[str, float]]:
         setattr(owner, name, timed)
 
     if rank == 0:
-        wrap(nccl_batch, "layout_many", "layout")  # block sums into the trailer included
+        wrap(nccl_batch, "fill", "layout")  # block sums into the trailer included
         wrap(nccl_message, "write_sums", "sums")
         wrap(nccl_sender.NcclSender, "_dispatch", "dispatch")  # metadata out, p2p send posted
         wrap(nccl_sender.NcclSender, "_check_dropped", "probe")

@@ -30,28 +30,37 @@ import torch
 
 from pd_ssm.state_transfer.nccl_coalesce import Queued
 from pd_ssm.state_transfer.nccl_control import Control
-from pd_ssm.state_transfer.nccl_message import layout_many
+from pd_ssm.state_transfer.nccl_message import Plan, fill, plan
 from pd_ssm.state_transfer.wire import encode_request
 
 
 @dataclass(slots=True)
 class OutMessage:
     req_ids: list[str]
-    sizes: list[int]  # each request's bytes in `buf` (the trailer after them)
+    sizes: list[int]  # each request's bytes in the buffer (the trailer after them)
     starts: list[float]  # time.monotonic() of each request's send: its TransferStats count from there
-    buf: torch.Tensor  # kept alive until the p2p send completed
     parts: list[Any]  # the side-channel message; [] once sent
+    buf: torch.Tensor | None = None  # laid out after the metadata went; kept until the p2p send completed
+    plan: Plan | None = None  # what `lay_out` copies where
     work: Any = None  # the p2p send's torch.distributed Work, once posted (None: no bytes to send)
 
+    def lay_out(self, device: torch.device) -> torch.Tensor:
+        """The buffer with its sums trailer (kernels queued on the current stream, not waited for)."""
+        if self.buf is None:
+            assert self.plan is not None
+            self.buf, self.plan = fill(self.plan, device), None
+        return self.buf
 
-def build(queued: list[Queued], device: torch.device, gen: int, token: bytes) -> OutMessage:
-    """The requests laid out in one buffer with their sums trailer (kernels queued on the current
-    stream, nothing waited for), and [token, control, then per request: request header, request
-    payload, runs]. ValueError for a tensor whose dtype cannot go on the wire."""
+
+def build(queued: list[Queued], gen: int, token: bytes) -> OutMessage:
+    """The message's metadata -- [token, control, then per request: request header, request
+    payload, runs] -- from the plan alone: it can leave before any byte is copied, so the receiver
+    allocates and posts its recv while the sender lays the buffer out. ValueError for a tensor
+    whose dtype cannot go on the wire."""
     pages = [q.pages for q in queued]
     req_ids = [p.req_id for p in pages]
-    buf, metas, sizes = layout_many(pages, device)
-    parts: list[Any] = [token, Control.data(gen, req_ids, sizes).encode()]
-    for p, m in zip(pages, metas, strict=True):
+    planned = plan(pages)
+    parts: list[Any] = [token, Control.data(gen, req_ids, planned.sizes).encode()]
+    for p, m in zip(pages, planned.metas, strict=True):
         parts += [*encode_request(p.request), msgpack.packb(m, use_bin_type=True)]
-    return OutMessage(req_ids, sizes, [q.start for q in queued], buf, parts)
+    return OutMessage(req_ids, planned.sizes, [q.start for q in queued], parts, plan=planned)

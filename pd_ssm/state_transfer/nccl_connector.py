@@ -8,18 +8,20 @@ nccl_message.py):
 
   ZMQ PUSH -> PULL: [token, control{kind="data", gen, req_ids, sizes}, then per request: request
        frame (header, payload), runs list]
-  p2p: ONE buffer of sum(sizes) bytes, the requests' parts back to back (per-layer messages are
-       ~3x slower on NVLink, TARGETS.md), sent from device memory and received into device
-       memory; a run is the same-named tensors of the layers stacked (export_pages makes pages in
-       that form), handed out as views of the received buffer, each run checked against its
-       block-sum checksum (nccl_checksum.py).
+  p2p: ONE buffer, the requests' parts back to back (sum(sizes) bytes; per-layer messages are
+       ~3x slower on NVLink, TARGETS.md), then the trailer of the sender's block sums, sent from
+       device memory and received into device memory; a run is the same-named tensors of the
+       layers stacked (export_pages makes pages in that form), handed out as views of the
+       received buffer, each run's blocks checked against the trailer (nccl_checksum.py) and its
+       header against its crc32.
 
 A message carries one request, or several: a request sent while an earlier message is still on
 its way is held and goes out with the others held then (nccl_batch.py, nccl_coalesce.py); a lone
 request is never held. Every check, failure and abort stays per request.
 
-Order: the sender posts the p2p send at once and sends the metadata when the buffer's block sums
-reach its host (nccl_sender.py); the receiver reads the metadata, then posts the matching recv
+Order: the sender sends the metadata first (planned on the host, no byte copied yet), then lays
+the buffer out with its sums trailer and posts the p2p send, never waiting for the device
+(nccl_sender.py); the receiver reads the metadata, then posts the matching recv
 (and those of the messages behind it, up to `recv_window` bytes, while it checks one), parsing a
 message's request frames and run headers while its bytes travel (nccl_inbound.py). Both channels
 are FIFO between the two peers, so the k-th data message of a generation describes its k-th p2p

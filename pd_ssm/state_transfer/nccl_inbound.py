@@ -42,7 +42,7 @@ class Inbound:
     @property
     def done(self) -> bool:
         """Every request of it acted on (a hello or an abort: itself)."""
-        return self.next >= max(1, len(self.control.req_ids)) if self.control.kind == "data" else self.next >= 1
+        return self.next >= (len(self.control.req_ids) if self.control.kind == "data" else 1)
 
     def parse(self) -> list[Parsed]:
         """Each request's frame and run headers, checked against its part of the buffer; once."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -98,29 +98,51 @@ def pack(pages: StatePages, device: torch.device) -> tuple[torch.Tensor, list[di
 def layout_many(
     pages: list[StatePages], device: torch.device
 ) -> tuple[torch.Tensor, list[list[dict[str, Any]]], list[int]]:
-    """Every request's tensors in ONE uint8 buffer on `device`, back to back, then the trailer of
-    their block sums (all queued on the current stream, nothing waited for); per request the
-    header of each run (offsets into the whole buffer) and its size in the buffer.
+    """Every request's tensors in ONE uint8 buffer on `device` (`plan` then `fill`); per request
+    the header of each run (offsets into the whole buffer) and its size in the buffer."""
+    planned = plan(pages)
+    return fill(planned, device), planned.metas, planned.sizes
+
+
+class Plan(NamedTuple):
+    """Where every request's runs go in a message's buffer, before any byte is copied."""
+
+    metas: list[list[dict[str, Any]]]  # per request, its run headers (offsets into the whole buffer)
+    sizes: list[int]  # per request, its bytes in the buffer (a BLOCK multiple)
+    sources: list[list[tuple[torch.dtype, _Source]]]  # per request, per run: what is copied there
+    payload: int  # the requests' bytes; the sums trailer follows
+
+
+def plan(pages: list[StatePages]) -> Plan:
+    """The requests back to back, each run at a BLOCK-aligned offset, headers complete (their own
+    crc32 included): all the metadata, without touching a tensor's bytes. ValueError for a dtype
+    that cannot go on the wire."""
+    metas, sizes, sources = [], [], []
+    offset = 0
+    for p in pages:
+        m, src, end = _plan(p, offset)
+        metas.append(m)
+        sources.append(src)
+        sizes.append(end - offset)
+        offset = end
+    return Plan(metas, sizes, sources, offset)
+
+
+def fill(planned: Plan, device: torch.device) -> torch.Tensor:
+    """The planned buffer on `device`, then the trailer of its block sums (all queued on the
+    current stream, nothing waited for).
 
     Tensors of the same name and shape over the layers form a run, stacked by ONE kernel straight
     into its place in the buffer: per-tensor work in Python (128 tensors for Mamba2-2.7B) would
     cost milliseconds a request, more than moving its 168 MB over NVLink. The buffer is the only
     staging the NCCL path does (one p2p message is ~3x faster than one per tensor, TARGETS.md)."""
-    plans, metas, sizes = [], [], []
-    offset = 0
-    for p in pages:
-        m, sources, end = _plan(p, offset)
-        plans.append(sources)
-        metas.append(m)
-        sizes.append(end - offset)
-        offset = end
-    buf = torch.empty(offset + trailer_bytes(offset), dtype=torch.uint8, device=device)
+    payload = planned.payload
+    buf = torch.empty(payload + trailer_bytes(payload), dtype=torch.uint8, device=device)
     host = buf.numpy() if buf.device.type == "cpu" else None
-    for m, sources in zip(metas, plans, strict=True):
+    for m, sources in zip(planned.metas, planned.sources, strict=True):
         _fill(buf, host, m, sources)
-    write_sums(buf[:offset], buf[offset:])
-    return buf, metas, sizes
-
+    write_sums(buf[:payload], buf[payload:])
+    return buf
 
 
 def _plan(pages: StatePages, offset: int) -> tuple[list[dict[str, Any]], list[tuple[torch.dtype, _Source]], int]:

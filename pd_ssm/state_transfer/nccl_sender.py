@@ -7,10 +7,10 @@ after its peer is lost it fails what was in flight, holds no buffer, and re-pair
 `send` never waits for the device. A request that finds the link idle goes out at once; one that
 comes while an earlier message is still on its way is held and coalesced with the others held
 into one data message (nccl_batch.py says when, and why that costs a lone request nothing). A
-message is posted by queueing its layout and block-sum kernels (the sums go into the message's
-trailer, nccl_checksum.py), sending its metadata -- all known on the host, nothing waits for the
-device -- and posting its p2p send (NCCL orders it after the kernels on the stream), so the
-receiver posts its recv while the device still packs. The side channel and the p2p stream carry
+message is posted by sending its metadata -- planned on the host, nothing waits for the device --
+then queueing its layout and block-sum kernels (the sums go into the message's trailer,
+nccl_checksum.py) and posting its p2p send (NCCL orders it after the kernels on the stream), so
+the receiver allocates and posts its recv while the sender lays the buffer out. The side channel and the p2p stream carry
 messages in the same order; metadata the receiver does not take within `send_timeout` fails the
 message (no byte of it was posted) and drops the pairing: the peer does not answer.
 """
@@ -130,7 +130,7 @@ class NcclSender:
                 self.ledger.fail(q.pages.req_id, self._lost)
             return
         try:
-            out = build(held, self.device, self._group.gen, self._token)
+            out = build(held, self._group.gen, self._token)
         except ValueError as e:  # a tensor whose dtype cannot go on the wire: that request alone fails
             if len(held) == 1:
                 self.ledger.fail(held[0].pages.req_id, str(e))
@@ -141,8 +141,8 @@ class NcclSender:
         self._dispatch(out)
 
     def _dispatch(self, out: OutMessage) -> None:
-        """Metadata out, then the p2p send of the buffer (none for a message without bytes, which
-        is sent once its metadata is out)."""
+        """Metadata out, then the buffer laid out and its p2p send posted (none for a message
+        without bytes, which is sent once its metadata is out)."""
         assert self._push is not None and self._group is not None
         try:
             self._push.send_multipart(out.parts)
@@ -153,16 +153,20 @@ class NcclSender:
             self.lose_peer(why)
             return
         out.parts = []
-        if out.buf.numel() == 0:
+        self._pending.append(out)  # from here on a lost peer fails it
+        try:
+            buf = out.lay_out(self.device)
+        except RuntimeError as e:  # out of device memory: the receiver waits for bytes that cannot come
+            self.lose_peer(f"cannot lay out a {sum(out.sizes)}-byte message: {str(e).splitlines()[0][:200]}")
+            return
+        if buf.numel() == 0:
+            self._pending.pop()
             self._complete(out)
             return
         try:
-            out.work = self._group.isend(out.buf)
+            out.work = self._group.isend(buf)
         except RuntimeError as e:  # gloo refuses at once on a pair whose peer is gone
-            self._pending.append(out)
             self.lose_peer(f"peer lost: {e}")
-            return
-        self._pending.append(out)
 
     def post(self, req_ids: list[str], parts: list[bytes | memoryview], buf: torch.Tensor, start: float) -> None:
         """`parts` out, then the p2p send of `buf`, after everything sent before. Public so fault
@@ -171,7 +175,7 @@ class NcclSender:
         if self._push is None or self._group is None:
             raise RuntimeError("this NcclConnector is not paired: call pair() first")
         n = len(req_ids)
-        self._dispatch(OutMessage(req_ids, [buf.numel() // max(1, n)] * n, [start] * n, buf, list(parts)))
+        self._dispatch(OutMessage(req_ids, [buf.numel() // max(1, n)] * n, [start] * n, list(parts), buf))
 
     def abort(self, req_id: str) -> None:
         """Tell the receiver to release the reservation of `req_id` now rather than at its expiry.

@@ -116,6 +116,7 @@ def test_a_message_holds_at_most_coalesce_bytes(messages: list[tuple[str, ...]])
 
 
 def _flip_payload(parts: list[Any], batch: OutMessage) -> str:
+    assert batch.buf is not None
     batch.buf[batch.sizes[0] + 37] ^= 0x10  # a byte of s1's first run, after the sums went into the trailer
     return "checksum mismatch"
 
@@ -134,9 +135,10 @@ def _mangled_sibling(mangle: Callable[[list[Any], OutMessage], str]) -> Callable
     def script(tx: NcclConnector) -> None:
         assert tx._tx is not None and tx._tx._group is not None
         queued = [Queued(sibling(i), time.monotonic(), sibling(i).nbytes()) for i in range(3)]
-        out = build(queued, torch.device("cpu"), tx._tx._group.gen, TOKEN.encode())  # sums trailer written
+        out = build(queued, tx._tx._group.gen, TOKEN.encode())
+        buf = out.lay_out(torch.device("cpu"))  # its sums trailer written
         mangle(out.parts, out)
-        tx._tx.post(out.req_ids, out.parts, out.buf, time.monotonic())
+        tx._tx.post(out.req_ids, out.parts, buf, time.monotonic())
         tx.send(make_pages("good", torch.bfloat16, seed=2), ticket(tx, "good"))
 
     return script
@@ -252,3 +254,46 @@ def test_sender_killed_mid_message_fails_every_request_of_it(messages: list[tupl
 def test_a_data_message_names_each_request_and_its_size() -> None:
     c = Control.data(4, ["a", "b"], [1 << 16, 2 << 16])
     assert (c.nbytes, c.req_ids, c.sizes) == (3 << 16, ("a", "b"), (1 << 16, 2 << 16))
+
+
+def _layout_fails_after_its_metadata(tx: NcclConnector) -> None:
+    """The buffer cannot be laid out (device memory) once the metadata is out: the receiver waits
+    for bytes that will not come, so the pairing goes and both requests fail; the next re-pairs."""
+    from pd_ssm.state_transfer import nccl_batch
+
+    fill = nccl_batch.fill
+
+    def oom(*args: Any) -> Any:
+        nccl_batch.fill = fill  # once
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    tx.send(make_pages("lead", torch.float32, seed=39), ticket(tx, "lead"))
+    assert tx.flush(10.0) and tx.get_finished()[0] == {"lead"}
+    tx.send(make_pages("lead2", torch.float32, seed=38), ticket(tx, "lead2"))  # in flight: it fails with the pairing
+    nccl_batch.fill = oom
+    for i in range(2):
+        tx.send(sibling(i), ticket(tx, SIBLINGS[i]))  # held
+    tx.flush(10.0)  # posts them: metadata out, then the layout fails
+    failed = tx.get_failed()
+    assert sorted(failed) == ["lead2", "s0", "s1"] and all("cannot lay out" in why for why in failed.values()), failed
+    assert not tx.paired and tx.in_flight == 0
+    tx.send(make_pages("good", torch.bfloat16, seed=2), ticket(tx, "good"))  # re-pairs first
+    assert tx.paired
+
+
+def test_a_message_that_cannot_be_laid_out_fails_its_requests_and_the_sender_repairs() -> None:
+    table = ReservationTable(ttl=60.0, token=TOKEN)
+    reserve(table, "lead", "lead2", "s0", "s1", "good")
+    with pair(table, _layout_fails_after_its_metadata) as rx:
+        got, failed = collect(rx, 2)
+        while "good" not in got and len(got) < 3:  # "lead2" may have made it before the pairing went
+            more, why = collect(rx, 1)
+            got.update(more)
+            failed.update(why)
+        got.pop("lead2", None)
+        failed.pop("lead2", None)
+        table.cancel("lead2")  # the sender reported it failed either way: the decode side lets it go
+        assert sorted(got) == ["good", "lead"]
+        assert sorted(failed) == ["s0", "s1"] and all("peer lost" in why for why in failed.values()), failed
+        assert_same(make_pages("good", torch.bfloat16, seed=2), got["good"])
+    assert len(table) == 0
