@@ -11,7 +11,8 @@ fixed cost of ~40 us a side in Python, so a request goes out in as few as its me
     since copying it would cost more than its frame.
 
 A whole request is cut into messages of ramping sizes (`message_sizes`) at layer boundaries, so
-checksumming on either side overlaps the wire. Each message's payloads are summed by the pool in
+checksumming on either side overlaps the wire, and no frame exceeds FRAME_MOST bytes (unless it is
+one layer). Each message's payloads are summed by the pool in
 about equal shares of bytes (`Sealing`, checksum.sum_shares): a 32 MB run frame keeps every thread
 busy, as a dozen page frames did.
 """
@@ -31,6 +32,10 @@ from pd_ssm.state_transfer.wire import Parts, Unsealed, page_frame, run_frame, s
 
 # bytes: per-layer tensors below this are stacked into one run frame (a copy); larger ones are not
 STACK_BELOW = 256 << 10
+# bytes: a frame holds at most this much (or one layer): libzmq mallocs each received frame, and one
+# above glibc's mmap threshold (32 MiB once the receiver tuned malloc, zmq_connector.py) would be
+# mapped fresh and faulted in page by page on every request
+FRAME_MOST = 24 << 20
 _NEVER = 1 << 62
 
 
@@ -143,13 +148,28 @@ def cut(slabs: Sequence[Slab], sizes: Sequence[int]) -> list[list[Slab]]:
     return groups
 
 
-def unsealed_frames(req_id: str, slabs: Sequence[Slab]) -> list[Unsealed]:
-    """A page frame per one-layer slab, a run frame per larger one (payloads are views)."""
+def unsealed_frames(req_id: str, slabs: Sequence[Slab], most: int = FRAME_MOST) -> list[Unsealed]:
+    """The slabs as frames of at most `most` bytes or one layer each (a slab larger than that is
+    split at layer boundaries): a page frame for one layer, a run frame for more (payloads are
+    views)."""
     return [
         page_frame(req_id, s.layers[0], s.kind, s.name, s.stacked[0]) if len(s.layers) == 1
         else run_frame(req_id, s.layers, s.kind, s.name, s.stacked)
-        for s in slabs
+        for s in _split(slabs, most)
     ]
+
+
+def _split(slabs: Sequence[Slab], most: int) -> list[Slab]:
+    """Each slab in as few parts as keep each at most `most` bytes (or one layer), the same number
+    of layers in each but the last."""
+    parts: list[Slab] = []
+    for slab in slabs:
+        n, unit = len(slab.layers), slab.unit()
+        fit = n if unit == 0 else max(1, most // unit)  # layers a part may hold
+        count = -(-n // fit)
+        per = -(-n // count)  # <= fit: the last part is not left with a single layer when it need not be
+        parts.extend(slab.part(start, min(start + per, n)) for start in range(0, n, per))
+    return parts
 
 
 class Sealing:

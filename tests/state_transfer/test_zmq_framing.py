@@ -3,9 +3,12 @@ the cuts of a request's slabs into messages at layer boundaries."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from pd_ssm.cache.pages import LayerPages, PageRun
+from pd_ssm.state_transfer.wire import Unsealed
 from pd_ssm.state_transfer.zmq_framing import (
     Slab,
     cut,
@@ -76,3 +79,19 @@ def test_slabs_of_runs_are_views_and_layers_of_small_pages_are_stacked() -> None
     assert slabs[1].stacked.data_ptr() == layers[1].tensors["ssm"].data_ptr()  # a view of layer 0's page
     kinds = [f.header["kind"] for f in unsealed_frames("r", slabs)]
     assert kinds == ["run", "page", "page", "page", "page", "page"]
+
+
+def test_frames_split_large_slabs_at_layer_boundaries() -> None:
+    """No frame is larger than `most` unless it is one layer; as few parts as that allows, in order."""
+
+    def kinds(frames: list[Unsealed]) -> list[tuple[str, Any]]:
+        return [(f.header["kind"], f.header.get("layers", f.header.get("layer"))) for f in frames]
+
+    big = slab("ssm", list(range(10)), 100)  # 1000 bytes
+    assert kinds(unsealed_frames("r", [big], most=1000)) == [("run", list(range(10)))]
+    assert kinds(unsealed_frames("r", [big], most=450)) == [
+        ("run", [0, 1, 2, 3]), ("run", [4, 5, 6, 7]), ("run", [8, 9])
+    ]
+    assert kinds(unsealed_frames("r", [big], most=50)) == [("page", i) for i in range(10)]  # a layer > most
+    frames = unsealed_frames("r", [big], most=450)
+    assert b"".join(bytes(f.payload) for f in frames) == big.stacked.numpy().tobytes()
