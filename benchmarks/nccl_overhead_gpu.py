@@ -5,7 +5,8 @@
   raw_peer_new  the same with a fresh buffer each time on both sides (what the connector allocates)
   connector     NcclConnector.send + flush / recv (pack, checksums, metadata over ZMQ)
   connector_x8  8 requests back to back (coalesced: the first alone, the rest in messages of up to
-                coalesce_bytes); connector_x8_one_per_message the same with one request a message
+                coalesce_bytes, 512 MB); connector_x8_<variant> the same with another cap (1: one
+                request a message) or bf16 state pages (86 MB a request)
   phases        the connector's receive split: control read -> recv posted -> bytes in -> checked
 
     python benchmarks/nccl_overhead_gpu.py      # prints medians (ms), writes $OUT/nccl_overhead.json
@@ -111,6 +112,8 @@ def run(rank: int, port: int, q: Any, rq: Any) -> None:
     res.update(_phases(marks))
     marks.clear()
 
+    x8_pages = [pages]  # what connector8 sends (the variants below swap it)
+
     def connector8() -> None:
         if rank == 0:
             from pd_ssm.bench.transfer import renamed
@@ -119,7 +122,7 @@ def run(rank: int, port: int, q: Any, rq: Any) -> None:
             for _ in range(8):
                 rid = f"c{n[0]}"
                 n[0] += 1
-                conn.send(renamed(pages, rid), Ticket(rid, conn.address, 0, [], time.monotonic() + 600, TOKEN))
+                conn.send(renamed(x8_pages[0], rid), Ticket(rid, conn.address, 0, [], time.monotonic() + 600, TOKEN))
             assert conn.flush(60)
         else:
             for _ in range(8):
@@ -139,15 +142,27 @@ def run(rank: int, port: int, q: Any, rq: Any) -> None:
             tot[name] = tot.get(name, 0.0) + t - starts.pop(name)
     res.update({f"x8_total:{k}": [v / (REPS + 2)] for k, v in tot.items()})
     marks.clear()
-    if rank == 0:  # the same, one request a message (no coalescing), for the comparison
-        assert conn._tx is not None
-        cap, conn._tx._held.cap = conn._tx._held.cap, 1
-    else:
-        for i in range((REPS + 2) * 9, (REPS + 2) * 17):
-            table.reserve(f"c{i}", conn.address or "", slot=0)
-    res["connector_x8_one_per_message"] = _timed(connector8, dev)
+    # the same 8 back to back with other coalescing caps (1: one request a message) and bf16 state
+    # (half the bytes for the same host work): which cap keeps the link busiest
+    bf16 = make_pages("o", "mamba2", torch.bfloat16, PageShape())
+    assert bf16.runs is not None
+    bf16_pages = StatePages(bf16.request, runs=[PageRun(r.kind, r.name, r.layers, r.stacked.to(dev)) for r in bf16.runs])
+    first = (REPS + 2) * 9  # the next request id number, the same on both ranks
+    default_cap = 512 << 20
+    for label, variant, cap in (("one_per_message", pages, 1), ("cap256MB", pages, 256 << 20),
+                                ("cap1GB", pages, 1 << 30), ("bf16", bf16_pages, default_cap),
+                                ("bf16_one_per_message", bf16_pages, 1), ("bf16_cap256MB", bf16_pages, 256 << 20)):
+        x8_pages[0] = variant
+        if rank == 0:
+            assert conn._tx is not None
+            conn._tx._held.cap = cap
+        else:
+            for i in range(first, first + (REPS + 2) * 8):
+                table.reserve(f"c{i}", conn.address or "", slot=0)
+        first += (REPS + 2) * 8
+        res[f"connector_x8_{label}"] = _timed(connector8, dev)
     if rank == 0:
-        conn._tx._held.cap = cap  # type: ignore[union-attr]
+        conn._tx._held.cap = default_cap  # type: ignore[union-attr]
     if rank == 0:
         # sender phases, one request: plan (metadata) / buffer laid out with its sums trailer
         # (queued) / the device done / one more block-sum pass, queued and on the host
