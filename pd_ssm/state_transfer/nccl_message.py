@@ -271,11 +271,14 @@ def _run_meta(d: Any, offset: int) -> RunMeta:
     if any(type(v) is not int or v < 0 for v in ints):
         raise FrameError(f"run header: offset, nbytes, checksum must be non-negative ints: {d!r:.120}")
     layers = d["layers"]
+    # NOTE: set / sorted run in C: a run header names 64 layers for Mamba2-2.7B, a generator over
+    # them costs tens of microseconds a request on the receiver
     if (
         type(layers) is not list
         or not layers
-        or any(type(v) is not int or v < 0 for v in layers)
-        or any(a >= b for a, b in zip(layers, layers[1:], strict=False))
+        or set(map(type, layers)) != {int}
+        or layers[0] < 0
+        or layers != sorted(set(layers))
     ):
         raise FrameError(f"run header: layers must be a non-empty ascending list of layer numbers: {d!r:.120}")
     if d["page_kind"] not in PAGE_KINDS or type(d["name"]) is not str or d["dtype"] not in DTYPES:
