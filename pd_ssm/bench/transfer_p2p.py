@@ -8,8 +8,10 @@ synchronized):
   one        the connector moving one request (metadata over ZMQ, p2p on its private group,
              checksums): a latency figure, fixed per-request costs included
   in flight  the connector moving `in_flight` requests posted back to back, as a prefill worker
-             does under load: the receiver posts the next recv while it checks one, so fixed
-             per-request costs overlap the link; GB/s counts all their bytes
+             does under load: the first leaves alone, the ones sent while it is on its way are
+             coalesced into messages of up to `coalesce_bytes` (nccl_batch.py), and the receiver
+             posts the next recv while it checks one, so fixed per-message costs are shared and
+             overlap the link; GB/s counts all their bytes
 
 The first connector run is checked byte for byte against the pages the sender made.
 """

@@ -23,7 +23,8 @@ class NcclConfig:
     # receiver: the largest message it allocates for (a 2.7B request is 0.17 GB; long hybrid KV more)
     max_message_bytes: int = 64 << 30
     # sender: requests held while the link is busy go out as one message once they reach this many
-    # tensor bytes (nccl_batch.py): 3 fp32 / 5 bf16 Mamba2-2.7B requests; a larger request goes alone
+    # tensor bytes (nccl_batch.py): 3 fp32 / 5 bf16 Mamba2-2.7B requests; a larger request goes
+    # alone. Capped by max_message_bytes too (block padding and the sums trailer, ~0.01%, on top)
     coalesce_bytes: int = 512 << 20
     backend: str = field(init=False, default="")
 
