@@ -9,6 +9,9 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; R=/tmp/res; mkdir -p "$OUT" "$R"
+# NOTE: the tarball is rewritten after every step, so a call cut short by its time limit still
+# brings back what finished
+pack() { tar czf "$OUT/results.tgz" -C "$R" .; }
 python3 -m pip install -q --no-index --find-links third_party/wheels pyzmq fastapi uvicorn openai prometheus_client \
   2>&1 | tail -2
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv > "$R/gpu.txt"
@@ -17,16 +20,21 @@ timeout 240 python3 -m pytest -q -p no:cacheprovider tests/state_transfer/test_e
   tests/state_transfer/test_nccl_gpu_check.py tests/state_transfer/test_block_sums_triton.py tests/cache/test_pages.py \
   tests/engine/test_prefill_graphs.py \
   > "$R/tests.txt" 2>&1; echo "tests rc $?" >> "$R/tests.txt"
+pack
 OUT=$R timeout 150 python3 benchmarks/nccl_gpu_check.py > "$R/nccl.txt" 2>&1; echo "nccl rc $?" >> "$R/nccl.txt"
+pack
 timeout 200 python3 -m pd_ssm.cli bench transfer --device cuda --connectors nccl,stream --repeats 5 \
   --json "$R/transfer_nccl.json" > "$R/transfer_nccl.txt" 2>&1; echo "transfer rc $?" >> "$R/transfer_nccl.txt"
+pack
 timeout 150 python3 -m pd_ssm.cli bench transfer --connectors zmq --repeats 5 \
   --json "$R/transfer_zmq.json" > "$R/transfer_zmq.txt" 2>&1; echo "zmq rc $?" >> "$R/transfer_zmq.txt"
-OUT=$R timeout 150 python3 benchmarks/profile_transfer_gpu.py stream > "$R/stream_profile.txt" 2>&1
-echo "stream profile rc $?" >> "$R/stream_profile.txt"
+pack
+OUT=$R/disagg timeout 300 bash benchmarks/disagg_gpu.sh > "$R/disagg.txt" 2>&1; echo "disagg rc $?" >> "$R/disagg.txt"
+pack
 OUT=$R timeout 120 python3 benchmarks/nccl_overhead_gpu.py > "$R/nccl_overhead.txt" 2>&1
 echo "nccl overhead rc $?" >> "$R/nccl_overhead.txt"
-OUT=$R/disagg timeout 300 bash benchmarks/disagg_gpu.sh > "$R/disagg.txt" 2>&1; echo "disagg rc $?" >> "$R/disagg.txt"
-
-tar czf "$OUT/results.tgz" -C "$R" .
-for f in tests nccl transfer_nccl transfer_zmq stream_profile disagg; do echo "== $f"; grep -v "Warning\|return func\|warn(" "$R/$f.txt" | tail -16; done
+pack
+OUT=$R timeout 150 python3 benchmarks/profile_transfer_gpu.py stream > "$R/stream_profile.txt" 2>&1
+echo "stream profile rc $?" >> "$R/stream_profile.txt"
+pack
+for f in tests nccl transfer_nccl transfer_zmq disagg nccl_overhead stream_profile; do echo "== $f"; grep -v "Warning\|return func\|warn(" "$R/$f.txt" | tail -16; done
