@@ -1,7 +1,10 @@
 """`bench transfer`, stream part: how much of the transfer layer-wise streaming hides behind prefill.
 
 A prefill engine (`Engine.stream_prefills_to`) ships a request of `tokens` random tokens through
-a ConnectorSink into a ZmqConnector whose receiver runs in a thread of this process. Per run:
+a ConnectorSink into a ZmqConnector whose receiver runs in a spawned process of its own, as a
+decode worker does (a receiving thread here would take the GIL from the host-bound eager forward
+it is meant to overlap: 180.8 ms streamed against 98.5 ms sequential on the H200, RESULTS.md
+session 4). Per run:
 
   prefill    step() calls from add_request until the request has left the engine (its first
              token sampled, its last layers and state handed to the connector)
@@ -18,21 +21,22 @@ embedded tiny hybrid on the CPU. Medians over the runs after one warm-up.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 import tempfile
-import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pd_ssm.bench.transfer_zmq import _Peer
 from pd_ssm.cache.pages import LayerPages, RequestState, StatePages
 from pd_ssm.engine.engine import Engine
 from pd_ssm.sampling_params import SamplingParams
 from pd_ssm.state_transfer.connector_sink import ConnectorSink
-from pd_ssm.state_transfer.reservations import ReservationTable
 from pd_ssm.state_transfer.zmq_connector import ZmqConfig, ZmqConnector
 
 TOKEN = "bench-stream"
@@ -85,18 +89,15 @@ def _measure(model: str | None, device: str, tokens: int, repeats: int, timeout:
 
         model = str(random_model_dir())  # the tiny hybrid: this measures transfer, not text
     streaming, plain = _engine(model, device, tokens, dummy), _engine(model, device, tokens, dummy)
-    table = ReservationTable(ttl=timeout, token=TOKEN)
     runs: list[dict[str, float]] = []
     mbytes = 0.0
-    with ZmqConnector(ZmqConfig(TOKEN, send_timeout=timeout), bind="tcp://127.0.0.1:0", reservations=table) as rx, \
-            ZmqConnector(ZmqConfig(TOKEN, send_timeout=timeout)) as tx:
+    with _Peer(_stream_receiver, (timeout,), timeout) as peer, ZmqConnector(ZmqConfig(TOKEN, send_timeout=timeout)) as tx:
         sink = _TimedSink(ConnectorSink(tx))
         streaming.stream_prefills_to(sink)
         g = torch.Generator().manual_seed(0)
         for i in range(repeats + 1):
             prompt = torch.randint(3, streaming.model_config.vocab_size, (tokens,), generator=g).tolist()
-            run, pages = _one_run(streaming, plain, sink, tx, rx, table, prompt, f"s{i}", timeout)
-            mbytes = pages.nbytes() / 1e6
+            run, mbytes = _one_run(streaming, plain, sink, tx, peer, prompt, f"s{i}", timeout)
             runs.append(run)
     keys = runs[0].keys()
     med = {k: statistics.median(r[k] for r in runs[1:]) for k in keys}
@@ -104,36 +105,26 @@ def _measure(model: str | None, device: str, tokens: int, repeats: int, timeout:
                 hidden=med["overlap_ms"] / med["transfer_ms"] if med["transfer_ms"] > 0 else 0.0, **med)
 
 
-def _one_run(streaming: Engine, plain: Engine, sink: _TimedSink, tx: ZmqConnector, rx: ZmqConnector,
-             table: ReservationTable, prompt: list[int], rid: str, timeout: float) -> tuple[dict[str, float], StatePages]:
-    assert rx.address is not None
+def _one_run(streaming: Engine, plain: Engine, sink: _TimedSink, tx: ZmqConnector, peer: _Peer,
+             prompt: list[int], rid: str, timeout: float) -> tuple[dict[str, float], float]:
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    got: list[tuple[float, StatePages | None]] = []
-
-    def receive() -> None:
-        pages = rx.recv(timeout=timeout)
-        got.append((time.perf_counter(), pages))
-
     # streamed: layers leave while the forward runs
     sink.first = None
-    sink.inner.expect(table.reserve(rid, rx.address, slot=0))
-    th = threading.Thread(target=receive)
-    th.start()
+    peer.send((rid, 0))
+    sink.inner.expect(peer.recv())  # reserved by the receiver, which now waits in recv
     t0 = time.perf_counter()
     streaming.add_request(prompt, params, request_id=rid)
     while streaming.has_unfinished():
         streaming.step()
     t_prefill = time.perf_counter()
     tx.flush(timeout)  # the last pieces may still be checksumming: push them out
-    th.join()
-    t_recv, pages = got.pop()
-    if pages is None or sink.first is None:
-        raise RuntimeError(f"bench stream: request {rid} not received in {timeout} s: {rx.get_failed()}")
+    t_recv, streamed, mbytes = peer.recv()
+    if sink.first is None:
+        raise RuntimeError(f"bench stream: request {rid} handed no layer to the connector")
     # sequential: prefill, export the whole request, one send
     seq = rid + "-seq"
-    ticket = table.reserve(seq, rx.address, slot=1)
-    th = threading.Thread(target=receive)
-    th.start()
+    peer.send((seq, 1))
+    ticket = peer.recv()
     t1 = time.perf_counter()
     plain.add_request(prompt, params, request_id=seq)
     while not plain.requests[seq].output_token_ids:
@@ -142,14 +133,9 @@ def _one_run(streaming: Engine, plain: Engine, sink: _TimedSink, tx: ZmqConnecto
     t_sent = time.perf_counter()
     tx.send(whole_pages, ticket)
     tx.flush(timeout)
-    th.join()
-    t_seq, whole = got.pop()
-    if whole is None:
-        raise RuntimeError(f"bench stream: request {seq} not received in {timeout} s: {rx.get_failed()}")
-    for idx, page in whole.layers.items():  # streamed and whole must be the same bytes (untimed)
-        for tname, t in page.tensors.items():
-            if not torch.equal(t.view(torch.uint8), pages.layers[idx].tensors[tname].view(torch.uint8)):
-                raise RuntimeError(f"bench stream: layer {idx} {tname!r} streamed differs from the whole export")
+    t_seq, whole, _ = peer.recv()
+    if whole != streamed:  # streamed and whole must be the same bytes (digests made untimed)
+        raise RuntimeError(f"bench stream: request {rid} streamed differs from its whole export")
     run = dict(
         prefill_ms=1e3 * (t_prefill - t0),
         transfer_ms=1e3 * (t_recv - sink.first),
@@ -159,4 +145,28 @@ def _one_run(streaming: Engine, plain: Engine, sink: _TimedSink, tx: ZmqConnecto
         streamed_total_ms=1e3 * (t_recv - t0),
         sequential_total_ms=1e3 * (t_seq - t1),
     )
-    return run, pages
+    return run, mbytes
+
+
+def _stream_receiver(conn: Connection, timeout: float) -> None:
+    """The stream bench's receiving process: per (request id, slot) it reserves the slot, answers
+    the ticket, receives the request and answers (perf_counter when it was whole and checked, a
+    digest of its bytes in layer order, MB); perf_counter is one clock for every process."""
+    from pd_ssm.state_transfer.reservations import ReservationTable
+
+    table = ReservationTable(ttl=timeout, token=TOKEN)
+    with ZmqConnector(ZmqConfig(TOKEN, send_timeout=timeout), bind="tcp://127.0.0.1:0", reservations=table) as rx:
+        assert rx.address is not None
+        while (msg := conn.recv()) is not None:
+            req_id, slot = msg
+            conn.send(table.reserve(req_id, rx.address, slot=slot))
+            pages = rx.recv(timeout=timeout)
+            done = time.perf_counter()
+            if pages is None:
+                raise RuntimeError(f"bench stream: {req_id} not received in {timeout} s: {rx.get_failed()}")
+            digest = hashlib.sha256()
+            for idx in sorted(pages.layers):
+                for tname, t in sorted(pages.layers[idx].tensors.items()):
+                    digest.update(tname.encode())
+                    digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+            conn.send((done, digest.hexdigest(), pages.nbytes() / 1e6))
