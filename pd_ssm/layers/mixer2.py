@@ -7,7 +7,8 @@ Per step, with the batch ordered decodes first then prefill chunks (ForwardMeta)
     prefill chunks: causal_conv1d_varlen  -> mamba_chunk_scan_varlen           (each from its own state)
     y [T, d_inner] -> gated RMSNorm(y, z) with groups of d_inner / n_groups -> out_proj
 
-With `defer_norm_scale` (Mamba2 blocks; ungrouped norm, no out_proj bias) a step instead returns
+With `defer_norm_scale` (Mamba2 blocks; ungrouped norm, no out_proj bias) a step with fewer than
+DEFER_BELOW_DECODE_ROWS decode rows instead returns
 ScaledDelta(out_proj(weight * y * silu(z)), RowRms): the norm's per-row scale is applied by the
 next block's add_rms_norm, and decode rows run the state update and the gate in one kernel
 (kernels/mixer_decode.py) -- the gated norm's launch is gone.
@@ -42,6 +43,11 @@ from pd_ssm.layers.norm import GatedRMSNorm, ScaledDelta
 
 # the decode step's dt limit: none, as in the references (module docstring)
 DECODE_DT_LIMIT = (0.0, float("inf"))
+# NOTE: the deferred norm scale runs in steps with fewer decode rows than this. Measured whole-model
+# on an H200 (2.7B shape, CUDA graphs, RESULTS.md session 4): batch 1 2.32-2.34 ms against 2.48-2.54
+# on the three-kernel path, but batch 32 +1-3% and batch 128 +2-3% (the state update dominates
+# there, and the gated kernel runs it slightly slower than the plain one)
+DEFER_BELOW_DECODE_ROWS = 32
 
 
 def conv1d_weight_from_hf(t: torch.Tensor) -> torch.Tensor:
@@ -123,7 +129,7 @@ class Mamba2Mixer(nn.Module):
         k = self.kernels
         # NOTE: through the kernels: a decode step of a few rows streams the weights faster than cuBLAS
         proj = k.linear(hidden, self.in_proj.weight, self.in_proj.bias)  # [T, d_inner + conv_dim + nheads]
-        if self.defer_norm_scale:
+        if self.defer_norm_scale and meta.num_decodes < DEFER_BELOW_DECODE_ROWS:
             gated = self._gated_squares(proj, meta, cache)
             out = k.linear(gated.g, self.out_proj.weight, None)  # [T, hidden]; no bias (see __init__)
             return ScaledDelta(out, RowRms(gated.sq, self.d_inner, self.norm.eps))
