@@ -294,6 +294,10 @@ def test_a_message_that_cannot_be_laid_out_fails_its_requests_and_the_sender_rep
         failed.pop("lead2", None)
         table.cancel("lead2")  # the sender reported it failed either way: the decode side lets it go
         assert sorted(got) == ["good", "lead"]
-        assert sorted(failed) == ["s0", "s1"] and all("peer lost" in why for why in failed.values()), failed
+        # NOTE: the receiver either notices the dropped pairing while it waits for their bytes
+        # ("peer lost") or before it reads their metadata (sent on a generation that is gone)
+        assert sorted(failed) == ["s0", "s1"] and all(
+            "peer lost" in why or "which is gone" in why for why in failed.values()
+        ), failed
         assert_same(make_pages("good", torch.bfloat16, seed=2), got["good"])
     assert len(table) == 0
