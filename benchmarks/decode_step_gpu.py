@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 import os
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks.linear_gpu import graph_time_us
 from pd_ssm.kernels.conv1d_triton import causal_conv1d_update_triton
 from pd_ssm.kernels.mixer_decode_triton import launch_decode_step
 from pd_ssm.kernels.rmsnorm_triton import rms_norm_gated_squares_triton
@@ -31,23 +31,6 @@ from pd_ssm.kernels.ssu_triton import SSUConfig, selective_state_update_triton
 
 H, P, N, G, W = 80, 64, 128, 1, 4
 D_INNER, CONV_DIM = H * P, H * P + 2 * G * N
-
-
-def graph_us(fn: Any, layers: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / layers)
-    return sorted(times)[3]
 
 
 class Layers:
@@ -97,15 +80,14 @@ class Layers:
                                       B.reshape(b, G, N), C.reshape(b, G, N), state_indices=self.slots, D=self.D,
                                       dt_bias=self.dt_bias)
 
-    def run_all(self, cfg: SSUConfig | str) -> None:
-        for i in range(self.L):
-            if cfg == "three":
-                self.three(i)
-            elif cfg == "ssu":
-                self.ssu_only(i)
-            else:
-                assert isinstance(cfg, SSUConfig)
-                self.gated(i, cfg)
+    def run_one(self, cfg: SSUConfig | str, i: int) -> None:
+        if cfg == "three":
+            self.three(i)
+        elif cfg == "ssu":
+            self.ssu_only(i)
+        else:
+            assert isinstance(cfg, SSUConfig)
+            self.gated(i, cfg)
 
 
 def main() -> None:
@@ -125,7 +107,7 @@ def main() -> None:
         for name, cfg in cfgs.items():
             lay.restore()
             exact = not isinstance(cfg, SSUConfig) or bool(torch.equal(lay.gated(0, cfg), want))
-            us = graph_us(partial(lay.run_all, cfg), L)
+            us = graph_time_us(lay.run_one, cfg, list(range(L)))  # lay.run_one(cfg, i) for every layer i
             row = {"batch": batch, "variant": name, "us_per_layer": us, "state_gbps": state_bytes / us / 1e3,
                    "equal_to_three_kernels": exact}
             results.append(row)
