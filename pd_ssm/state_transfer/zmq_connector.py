@@ -78,8 +78,13 @@ class ZmqConfig:
     # receiver checks the last one after the wire is done, so sizes ramp up from this (doubling)
     # and down to it at the end (_message_sizes)
     edge_message_bytes: int = 2 << 20
-    # frames checksummed in parallel on each side (numpy's sums drop the GIL): ~7 GB/s a core
-    checksum_threads: int = field(default_factory=lambda: min(8, os.cpu_count() or 1))
+    # frames checksummed in parallel on each side (numpy's sums drop the GIL): ~7 GB/s a core, so
+    # two outrun the socket (~3-4 GB/s). NOTE: more cost the prefill process dearly: every thread
+    # takes the GIL back between numpy calls, and a host-bound eager forward streaming its layers
+    # waits for it at every launch -- on the H200 host, 2048 tokens streamed took 171.6 / 144.7 /
+    # 123.6 ms (start -> pages in) with 8 / 2 / 1 threads, and with 2 the bench's throughput rows
+    # were all >= 0.77x the socket (RESULTS.md session 4)
+    checksum_threads: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))
     # a receiver makes glibc keep up to this many freed bytes for reuse (process-wide, see the
     # module docstring; < 2 GiB: mallopt takes an int); None: leave malloc alone (e.g. not glibc)
     malloc_retain_bytes: int | None = 1 << 30
