@@ -12,6 +12,7 @@ from pd_ssm.state_transfer.wire import (
     encode_end,
     encode_page,
     encode_request,
+    encode_run,
     pages_to_frames,
 )
 
@@ -28,6 +29,7 @@ __all__ = [
     "encode_end",
     "encode_page",
     "encode_request",
+    "encode_run",
     "frames_to_pages",
     "pages_to_frames",
 ]
