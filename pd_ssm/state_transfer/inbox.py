@@ -20,8 +20,6 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
-import msgpack
-
 from pd_ssm.cache.pages import StatePages
 from pd_ssm.state_transfer.assembler import PageAssembler
 from pd_ssm.state_transfer.base import TransferStats
@@ -29,6 +27,7 @@ from pd_ssm.state_transfer.checksum import gather_sums, sum_share, sum_shares
 from pd_ssm.state_transfer.ledger import TransferLedger
 from pd_ssm.state_transfer.reservations import ReservationTable
 from pd_ssm.state_transfer.wire import MAX_HEADER_BYTES, Buffer, Frame, FrameError, finish_frame, parse_frame
+from pd_ssm.state_transfer.wire_fields import unpack
 
 
 @dataclass(slots=True)
@@ -149,17 +148,12 @@ class Inbox:
 
 def _peek(header: Buffer) -> tuple[str, str] | None:
     """(req_id, kind) a header claims, to attribute a failure; the full check is decode_frame's."""
-    if memoryview(header).nbytes > MAX_HEADER_BYTES:
-        return None
     try:
-        h = msgpack.unpackb(header, raw=False, strict_map_key=True, ext_hook=_no_ext)
-    except Exception:
+        h = unpack(header, MAX_HEADER_BYTES, "frame header")
+    except FrameError:
         return None
     if not isinstance(h, dict):
         return None
     req_id, kind = h.get("req_id"), h.get("kind")
     return (req_id, kind) if isinstance(req_id, str) and isinstance(kind, str) else None
 
-
-def _no_ext(code: int, data: bytes) -> object:
-    raise ValueError("ext types are not allowed in frame headers")

@@ -15,12 +15,12 @@ its requests without parsing anything else.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import msgpack
 
 from pd_ssm.state_transfer.nccl_checksum import BLOCK
 from pd_ssm.state_transfer.wire import MAX_HEADER_BYTES, FrameError
+from pd_ssm.state_transfer.wire_fields import unpack
 
 CONTROL_KINDS = ("hello", "data", "abort")
 MAX_BATCH = 1024  # requests in one data message (the sender coalesces far fewer: nccl_batch.py)
@@ -67,7 +67,7 @@ class Control:
 def parse_control(raw: bytes) -> Control:
     """The control part, checked: keys, types, one size per request id, sizes whole blocks, and the
     number of requests each kind has (data 1..MAX_BATCH, abort 1, hello 0)."""
-    c = unpack_msgpack(raw, MAX_HEADER_BYTES, "control part")
+    c = unpack(raw, MAX_HEADER_BYTES, "control part")
     if not isinstance(c, dict) or set(c) != _CONTROL_KEYS:
         raise FrameError(f"control part must have exactly the keys {sorted(_CONTROL_KEYS)}: {c!r:.120}")
     kind, gen, req_ids, sizes = c["kind"], c["gen"], c["req_ids"], c["sizes"]
@@ -88,17 +88,3 @@ def parse_control(raw: bytes) -> Control:
     if wrong[kind]:
         raise FrameError(f"control part: a {kind} message cannot name {count} request(s) of sizes {sizes!r:.60}")
     return Control(kind, gen, tuple(req_ids), tuple(sizes))
-
-
-def unpack_msgpack(raw: bytes, limit: int, what: str) -> Any:
-    """msgpack of at most `limit` bytes, no ext types: anything else is a FrameError."""
-    if len(raw) > limit:
-        raise FrameError(f"{what} of {len(raw)} bytes exceeds the cap of {limit}")
-    try:
-        return msgpack.unpackb(raw, raw=False, strict_map_key=True, ext_hook=_no_ext)
-    except Exception as e:
-        raise FrameError(f"{what} is not valid msgpack: {type(e).__name__}: {e}") from e
-
-
-def _no_ext(code: int, data: bytes) -> object:
-    raise ValueError("ext types are not allowed in metadata")

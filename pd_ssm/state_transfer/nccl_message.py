@@ -33,7 +33,6 @@ from pd_ssm.state_transfer.nccl_checksum import (
     trailer_bytes,
     write_sums,
 )
-from pd_ssm.state_transfer.nccl_control import unpack_msgpack
 from pd_ssm.state_transfer.wire import (
     DTYPES,
     MAX_NDIM,
@@ -42,6 +41,7 @@ from pd_ssm.state_transfer.wire import (
     FrameError,
     decode_frame,
 )
+from pd_ssm.state_transfer.wire_fields import unpack as unpack_msgpack
 
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_META_BYTES = 16 << 20  # the runs list: ~100 B per run plus the layer numbers
