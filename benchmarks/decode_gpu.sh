@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call (nvidia-h200, carry third_party) for the fused decode step:
+# One device call (nvidia-h200, carry third_party) for the decode step with the deferred norm scale:
 #   GPU tests of the kernels and the graph paths at real shapes, `pd-ssm bench engine` with the
-#   fused step and the same bench on the other paths in $VARIANTS (decode_fusion_ab_gpu.py), the
+#   default step and the same bench on the other paths in $VARIANTS (decode_fusion_ab_gpu.py), the
 #   per-layer sweep of the step's variants (decode_step_gpu.py), and with PROFILE=1 / LINEAR=1 the
 #   per-kernel profile of a step and the cuBLAS layout sweep of the decode linears.
 # Results under $OUT; a summary on stdout.
@@ -14,8 +14,8 @@ timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mixer_de
   tests/kernels/test_add_rmsnorm.py tests/kernels/test_ssu_triton.py tests/kernels/test_conv1d_triton.py \
   tests/engine/test_cuda_graphs.py tests/engine/test_gpu_numerics.py tests/engine/test_prefill_graphs.py \
   tests/state_transfer/test_block_sums_triton.py > "$OUT/tests.txt" 2>&1; echo "tests rc $?" >> "$OUT/tests.txt"
-timeout 170 python3 -m pd_ssm.cli bench engine --json "$OUT/engine_fused.json" > "$OUT/engine_fused.txt" 2>&1
-for v in ${VARIANTS:-unfused split}; do
+timeout 170 python3 -m pd_ssm.cli bench engine --json "$OUT/engine_deferred.json" > "$OUT/engine_deferred.txt" 2>&1
+for v in ${VARIANTS:-unfused}; do  # decode_fusion_ab_gpu.py --variant: unfused | tile:P/W
   timeout 170 python3 benchmarks/decode_fusion_ab_gpu.py --variant "$v" --json "$OUT/engine_${v//[:\/]/_}.json" \
     > "$OUT/engine_${v//[:\/]/_}.txt" 2>&1
 done
