@@ -1,9 +1,10 @@
 """`pd-ssm bench engine` with another decode step: the other sides of an A/B in one device call.
 
 Mamba2 blocks defer the gated norm's scale and run the state update + gate as one kernel
-(kernels/mixer_decode.py). `--variant unfused` runs every mixer on the three-kernel path (conv
-update, state update, gated norm); `tile:P/W` keeps the deferred norm with the gated state
-update's tile BLOCK_P = P, W warps.
+(kernels/mixer_decode.py) in steps with fewer than mixer2.DEFER_BELOW_DECODE_ROWS decode rows
+(larger decode batches take the three-kernel path either way). `--variant unfused` runs every
+mixer on the three-kernel path (conv update, state update, gated norm); `tile:P/W` keeps the
+deferred norm with the gated state update's tile BLOCK_P = P, W warps.
 
     python benchmarks/decode_fusion_ab_gpu.py --variant unfused [--json FILE]      (CUDA only)
 """
