@@ -213,14 +213,22 @@ BIG = 6 << 20  # fp32 elements per SSM page: 2 layers x 24 MB a request
 
 
 def _dies_mid_message(rendezvous: str) -> None:
+    """Dies once the two-request message's metadata is out and its recv posted, before its bytes:
+    killed while laying the buffer out. (A 5 ms sleep after posting, as before, raced the link on
+    a loaded CI host: the whole message sometimes landed first.)"""
+    from pd_ssm.state_transfer import nccl_batch
+
+    def die(*args: Any) -> Any:
+        time.sleep(0.5)  # "lead", posted alone before, lands meanwhile
+        os.kill(os.getpid(), signal.SIGKILL)
+
     tx = NcclConnector(NcclConfig(TOKEN, rendezvous, timeout=10.0))
     tx.send(make_pages("lead", torch.float32, seed=39), ticket(tx, "lead"))
     for req_id in ("big1", "big2"):
         tx.send(make_pages(req_id, seed=60, ssm_elems=BIG), ticket(tx, req_id))  # held: the link is busy
-    tx.get_finished()  # not a send: posts the held two as one message
-    assert tx.in_flight == 3 and not tx._tx._held  # type: ignore[union-attr]
-    time.sleep(0.005)  # its first bytes are on their way, most are not
-    os.kill(os.getpid(), signal.SIGKILL)
+    assert tx.in_flight == 3 and len(tx._tx._held) == 2  # type: ignore[union-attr]
+    nccl_batch.fill = die
+    tx.get_finished()  # not a send: posts the held two as one message -- and dies laying it out
 
 
 def _sends_after(tx: NcclConnector) -> None:
