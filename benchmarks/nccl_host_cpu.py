@@ -7,7 +7,10 @@ the sender's first `send` to the receiver holding the last request (perf_counter
 CLOCK_MONOTONIC: one clock for both processes), and the CPU time each process spent (all its
 threads, gloo's included: the host work, robust to a busy machine, which wall times are not).
 
-    python benchmarks/nccl_host_cpu.py [--n 8] [--reps 30] [--pages mamba2|hybrid] [--coalesce-bytes 1]
+    python benchmarks/nccl_host_cpu.py [--n 8] [--reps 30] [--pages mamba2|hybrid] [--layers 64] [--coalesce-bytes 1]
+
+`--layers`: layers per request (tiny tensors each); 64 is Mamba2-2.7B's count, what a run
+header's layer list and the per-layer work scale with.
 
 Prints microseconds per request (JSON).
 """
@@ -15,6 +18,7 @@ Prints microseconds per request (JSON).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import statistics
@@ -30,12 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 TOKEN = "host-cpu"
 
 
-def _sender(rendezvous: str, kind: str, n: int, reps: int, coalesce: int, go: Any, out: Any) -> None:
+def _sender(rendezvous: str, kind: str, layers: int, n: int, reps: int, coalesce: int, go: Any, out: Any) -> None:
     from pd_ssm.bench.transfer import PageShape, make_pages, renamed
     from pd_ssm.state_transfer.base import Ticket
     from pd_ssm.state_transfer.nccl_connector import NcclConfig, NcclConnector
 
-    pages = make_pages("h", kind, torch.float32, PageShape.tiny())
+    pages = make_pages("h", kind, torch.float32, dataclasses.replace(PageShape.tiny(), layers=layers))
     tx = NcclConnector(NcclConfig(TOKEN, rendezvous, timeout=30, send_timeout=30, coalesce_bytes=coalesce))
     assert tx.address is not None
     starts, sends, cpu = [], [], []
@@ -87,13 +91,14 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--pages", default="mamba2", choices=["mamba2", "hybrid"])
+    ap.add_argument("--layers", type=int, default=4, help="layers per request (64: Mamba2-2.7B's)")
     ap.add_argument("--coalesce-bytes", type=int, default=512 << 20, help="NcclConfig.coalesce_bytes (1: one request a message)")
     a = ap.parse_args()
     ctx = mp.get_context("spawn")
     go, out, rq = ctx.Queue(), ctx.Queue(), ctx.Queue()
     rx = ctx.Process(target=_receiver, args=(a.pages, a.n, a.reps, go, out, rq))
     rx.start()
-    tx = ctx.Process(target=_sender, args=(rq.get(timeout=60), a.pages, a.n, a.reps, a.coalesce_bytes, go, out))
+    tx = ctx.Process(target=_sender, args=(rq.get(timeout=60), a.pages, a.layers, a.n, a.reps, a.coalesce_bytes, go, out))
     tx.start()
     got = dict(out.get(timeout=300) for _ in range(2))
     for p in (tx, rx):
@@ -102,7 +107,7 @@ def main() -> None:
     ends, rx_cpu = got["receiver"]
     e2e = [end - start for start, end in zip(starts, ends, strict=True)]
     print(json.dumps({
-        "pages": a.pages, "n": a.n, "coalesce_bytes": a.coalesce_bytes,
+        "pages": a.pages, "layers": a.layers, "n": a.n, "coalesce_bytes": a.coalesce_bytes,
         "send_calls_us_per_request": round(1e6 * statistics.median(sends) / a.n, 1),
         "end_to_end_us_per_request": round(1e6 * statistics.median(e2e) / a.n, 1),
         "sender_cpu_us_per_request": round(1e6 * statistics.median(tx_cpu) / a.n, 1),
