@@ -25,12 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import torch
 
 from pd_ssm.state_transfer.nccl_coalesce import Queued
 from pd_ssm.state_transfer.nccl_control import Control
-from pd_ssm.state_transfer.nccl_message import Plan, fill, plan
+from pd_ssm.state_transfer.nccl_message import Layouts, Plan, fill, plan
 from pd_ssm.state_transfer.wire import encode_request
 
 
@@ -52,15 +51,15 @@ class OutMessage:
         return self.buf
 
 
-def build(queued: list[Queued], gen: int, token: bytes) -> OutMessage:
+def build(queued: list[Queued], gen: int, token: bytes, layouts: Layouts | None = None) -> OutMessage:
     """The message's metadata -- [token, control, then per request: request header, request
     payload, runs] -- from the plan alone: it can leave before any byte is copied, so the receiver
     allocates and posts its recv while the sender lays the buffer out. ValueError for a tensor
-    whose dtype cannot go on the wire."""
+    whose dtype cannot go on the wire. `layouts`: the sender's memo of run headers (nccl_memo.py)."""
     pages = [q.pages for q in queued]
     req_ids = [p.req_id for p in pages]
-    planned = plan(pages)
+    planned = plan(pages, layouts)
     parts: list[Any] = [token, Control.data(gen, req_ids, planned.sizes).encode()]
-    for p, m in zip(pages, planned.metas, strict=True):
-        parts += [*encode_request(p.request), msgpack.packb(m, use_bin_type=True)]
+    for p, runs in zip(pages, planned.packed, strict=True):
+        parts += [*encode_request(p.request), runs]
     return OutMessage(req_ids, planned.sizes, [q.start for q in queued], parts, plan=planned)

@@ -20,7 +20,7 @@ import torch
 from pd_ssm.cache.pages import RequestState
 from pd_ssm.state_transfer.nccl_checksum import PendingSums
 from pd_ssm.state_transfer.nccl_control import PARTS_PER_REQUEST, Control
-from pd_ssm.state_transfer.nccl_message import RunMeta, parse_request, parse_tensors
+from pd_ssm.state_transfer.nccl_message import Headers, RunMeta, parse_request, parse_tensors
 from pd_ssm.state_transfer.wire import FrameError
 
 Parsed = tuple[RequestState, list[RunMeta]] | str  # a request's frame and runs, or why they are refused
@@ -44,10 +44,11 @@ class Inbound:
         """Every request of it acted on (a hello or an abort: itself)."""
         return self.next >= (len(self.control.req_ids) if self.control.kind == "data" else 1)
 
-    def parse(self) -> list[Parsed]:
-        """Each request's frame and run headers, checked against its part of the buffer; once."""
+    def parse(self, memo: Headers | None = None) -> list[Parsed]:
+        """Each request's frame and run headers, checked against its part of the buffer; once.
+        `memo`: the receiver's memo of run headers checked (nccl_memo.py)."""
         if self.parsed is None:
-            self.parsed = parse_requests(self.msg, self.control)
+            self.parsed = parse_requests(self.msg, self.control, memo)
         return self.parsed
 
     def block_sums(self) -> tuple[bytes, bytes]:
@@ -60,7 +61,7 @@ class Inbound:
         return self.sums.wait(), self.sums.theirs()
 
 
-def parse_requests(msg: list[bytes], control: Control) -> list[Parsed]:
+def parse_requests(msg: list[bytes], control: Control, memo: Headers | None = None) -> list[Parsed]:
     """[token, control, then per request: header, payload, runs] -> one Parsed per request of
     `control`; the k-th request's runs must tile [sum(sizes[:k]), sum(sizes[:k + 1]))."""
     k = len(control.req_ids)
@@ -72,7 +73,7 @@ def parse_requests(msg: list[bytes], control: Control) -> list[Parsed]:
     for i, (req_id, size) in enumerate(zip(control.req_ids, control.sizes, strict=True)):
         header, payload, runs = msg[2 + PARTS_PER_REQUEST * i : 2 + PARTS_PER_REQUEST * (i + 1)]
         try:
-            out.append((parse_request(header, payload, req_id), parse_tensors(runs, offset, offset + size)))
+            out.append((parse_request(header, payload, req_id), parse_tensors(runs, offset, offset + size, memo)))
         except FrameError as e:
             out.append(str(e))
         offset += size

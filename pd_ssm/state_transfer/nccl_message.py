@@ -33,6 +33,7 @@ from pd_ssm.state_transfer.nccl_checksum import (
     trailer_bytes,
     write_sums,
 )
+from pd_ssm.state_transfer.nccl_memo import Memo
 from pd_ssm.state_transfer.wire import (
     DTYPES,
     MAX_NDIM,
@@ -63,15 +64,21 @@ class RunMeta:
 
 
 _Source = torch.Tensor | list[torch.Tensor]  # a run's tensors: already stacked, or one per layer
+_RunKey = tuple[str, str, torch.dtype, torch.Size]  # page kind, name, dtype, one layer's shape
+# sender memo: (offset, per run (key, layers)) -> the request's run headers, packed, and its end
+Layouts = Memo[tuple[tuple[RunMeta, ...], bytes, int]]
+# receiver memo: (runs part, start, end) -> its run headers, checked
+Headers = Memo[tuple[RunMeta, ...]]
+_MEMO_MAX_RAW = 64 << 10  # bytes: a larger runs part is parsed, never memoized (its bytes are the key)
 
 
-def _runs(pages: StatePages) -> list[tuple[tuple[str, str, torch.dtype, torch.Size], list[int], _Source]]:
+def _runs(pages: StatePages) -> list[tuple[_RunKey, tuple[int, ...], _Source]]:
     """The pages' tensors grouped by (page kind, name, dtype, shape), layers ascending, in order of
     first appearance: a Mamba2 request is 2 runs (conv, ssm), a hybrid 4 (+ k, v). Pages that
     still come as runs (export_pages) are taken as they are; per-layer pages are grouped here, a
     loop over every tensor (128 for a 2.7B request), kept lean."""
     if pages.runs is not None:
-        return [((r.kind, r.name, r.stacked.dtype, r.stacked.shape[1:]), list(r.layers), r.stacked)
+        return [((r.kind, r.name, r.stacked.dtype, r.stacked.shape[1:]), tuple(r.layers), r.stacked)
                 for r in pages.runs]
     runs: dict[tuple[str, str, torch.dtype, torch.Size], tuple[list[int], list[torch.Tensor]]] = {}
     layers = pages.layers
@@ -85,7 +92,7 @@ def _runs(pages: StatePages) -> list[tuple[tuple[str, str, torch.dtype, torch.Si
                 run = runs[key] = ([], [])
             run[0].append(layer_idx)
             run[1].append(t)
-    return [(key, ids, tensors) for key, (ids, tensors) in runs.items()]
+    return [(key, tuple(ids), tensors) for key, (ids, tensors) in runs.items()]
 
 
 def pack(pages: StatePages, device: torch.device) -> tuple[torch.Tensor, list[dict[str, Any]]]:
@@ -107,25 +114,39 @@ def layout_many(
 class Plan(NamedTuple):
     """Where every request's runs go in a message's buffer, before any byte is copied."""
 
-    metas: list[list[dict[str, Any]]]  # per request, its run headers (offsets into the whole buffer)
+    headers: list[tuple[RunMeta, ...]]  # per request, its runs' headers (offsets into the whole buffer)
+    packed: list[bytes]  # per request, its runs part: the msgpack list of its headers (`metas`)
     sizes: list[int]  # per request, its bytes in the buffer (a BLOCK multiple)
-    sources: list[list[tuple[torch.dtype, _Source]]]  # per request, per run: what is copied there
+    sources: list[list[_Source]]  # per request, per run: what is copied there
     payload: int  # the requests' bytes; the sums trailer follows
 
+    @property
+    def metas(self) -> list[list[dict[str, Any]]]:
+        """Per request, its run headers as they go on the wire (fresh dicts: a test may edit them)."""
+        return [[_as_dict(m) for m in ms] for ms in self.headers]
 
-def plan(pages: list[StatePages]) -> Plan:
+
+def plan(pages: list[StatePages], memo: Layouts | None = None) -> Plan:
     """The requests back to back, each run at a BLOCK-aligned offset, headers complete (their own
-    crc32 included): all the metadata, without touching a tensor's bytes. ValueError for a dtype
-    that cannot go on the wire."""
-    metas, sizes, sources = [], [], []
+    crc32 included) and packed: all the metadata, without touching a tensor's bytes. ValueError
+    for a dtype that cannot go on the wire. `memo`: the sender's, where a request laid out as one
+    before it at the same offset takes that one's headers (nccl_memo.py)."""
+    headers, packed, sizes, sources = [], [], [], []
     offset = 0
     for p in pages:
-        m, src, end = _plan(p, offset)
-        metas.append(m)
-        sources.append(src)
-        sizes.append(end - offset)
-        offset = end
-    return Plan(metas, sizes, sources, offset)
+        runs = _runs(p)
+        key = (offset, tuple((k, layers) for k, layers, _ in runs))
+        placed = None if memo is None else memo.get(key)
+        if placed is None:
+            placed = _plan(runs, offset)
+            if memo is not None:
+                memo.put(key, placed)
+        headers.append(placed[0])
+        packed.append(placed[1])
+        sizes.append(placed[2] - offset)
+        sources.append([source for _, _, source in runs])
+        offset = placed[2]
+    return Plan(headers, packed, sizes, sources, offset)
 
 
 def fill(planned: Plan, device: torch.device) -> torch.Tensor:
@@ -139,38 +160,40 @@ def fill(planned: Plan, device: torch.device) -> torch.Tensor:
     payload = planned.payload
     buf = torch.empty(payload + trailer_bytes(payload), dtype=torch.uint8, device=device)
     host = buf.numpy() if buf.device.type == "cpu" else None
-    for m, sources in zip(planned.metas, planned.sources, strict=True):
-        _fill(buf, host, m, sources)
+    for ms, sources in zip(planned.headers, planned.sources, strict=True):
+        _fill(buf, host, ms, sources)
     write_sums(buf[:payload], buf[payload:])
     return buf
 
 
-def _plan(pages: StatePages, offset: int) -> tuple[list[dict[str, Any]], list[tuple[torch.dtype, _Source]], int]:
-    """The run headers of `pages` placed from `offset` on, their sources, and where they end."""
-    metas: list[dict[str, Any]] = []
-    sources: list[tuple[torch.dtype, _Source]] = []
-    for (kind, name, dt, shape), layers, source in _runs(pages):
+def _plan(runs: list[tuple[_RunKey, tuple[int, ...], _Source]], offset: int) -> tuple[tuple[RunMeta, ...], bytes, int]:
+    """The headers of `runs` placed from `offset` on, packed as the runs part, and where they end."""
+    metas: list[RunMeta] = []
+    for (kind, name, dt, shape), layers, _ in runs:
         dtype = _DTYPE_NAMES.get(dt)
         if dtype is None:
             raise ValueError(f"dtype {dt} cannot go on the wire; allowed: {sorted(DTYPES)}")
         n = len(layers) * math.prod(shape) * dt.itemsize
-        metas.append({"layers": layers, "page_kind": kind, "name": name, "dtype": dtype, "shape": list(shape),
-                      "offset": offset, "nbytes": n,
-                      "checksum": zlib.crc32(_describe(layers, kind, name, dtype, shape, offset, n))})
-        sources.append((dt, source))
+        checksum = zlib.crc32(_describe(layers, kind, name, dtype, shape, offset, n))
+        metas.append(RunMeta(layers, kind, name, dt, tuple(shape), offset, n, checksum))
         offset += align(n)
-    return metas, sources, offset
+    return tuple(metas), msgpack.packb([_as_dict(m) for m in metas], use_bin_type=True), offset
 
 
-def _fill(buf: torch.Tensor, host: np.ndarray | None, metas: list[dict[str, Any]],
-          sources: list[tuple[torch.dtype, _Source]]) -> None:
+def _as_dict(m: RunMeta) -> dict[str, Any]:
+    """A run header as it goes on the wire (`_RUN_KEYS`)."""
+    return {"layers": list(m.layers), "page_kind": m.page_kind, "name": m.name, "dtype": _DTYPE_NAMES[m.dtype],
+            "shape": list(m.shape), "offset": m.offset, "nbytes": m.nbytes, "checksum": m.checksum}
+
+
+def _fill(buf: torch.Tensor, host: np.ndarray | None, metas: tuple[RunMeta, ...], sources: list[_Source]) -> None:
     """Copy each run into its place and zero the gap behind it (the gap is summed: both sides must
     see zeros). `host`: the buffer's numpy view on the CPU, where a small fill through torch costs
     milliseconds on a busy machine (its thread pool wakes up for 64 KiB) and numpy's memset does not."""
-    for m, (dt, source) in zip(metas, sources, strict=True):
-        start, n = m["offset"], m["nbytes"]
+    for m, source in zip(metas, sources, strict=True):
+        start, n = m.offset, m.nbytes
         if n:
-            out = buf[start : start + n].view(dt).view(len(m["layers"]), *m["shape"])
+            out = buf[start : start + n].view(m.dtype).view(len(m.layers), *m.shape)
             if isinstance(source, torch.Tensor):
                 out.copy_(source)  # across devices too
             else:
@@ -233,11 +256,22 @@ def parse_request(header: bytes, payload: bytes, req_id: str) -> RequestState:
     return RequestState(**frame.body)
 
 
-def parse_tensors(raw: bytes, start: int, end: int) -> list[RunMeta]:
+def parse_tensors(raw: bytes, start: int, end: int, memo: Headers | None = None) -> list[RunMeta]:
     """Each run's header, checked: types, dtype, len(layers) x shape x itemsize == nbytes, no layer
     named twice or with two page kinds, and the runs tile [start, end) of the p2p message exactly,
     in order, each at the BLOCK-aligned end of the previous one. Needs no byte of the message: the
-    receiver parses while they are still on the link."""
+    receiver parses while they are still on the link. `memo`: the receiver's; a runs part
+    byte-identical to one already checked at the same place takes that one's headers."""
+    if memo is None or type(raw) is not bytes or len(raw) > _MEMO_MAX_RAW:
+        return _parse_tensors(raw, start, end)
+    key = (raw, start, end)
+    got = memo.get(key)
+    if got is None:
+        got = memo.put(key, tuple(_parse_tensors(raw, start, end)))
+    return list(got)
+
+
+def _parse_tensors(raw: bytes, start: int, end: int) -> list[RunMeta]:
     items = unpack_msgpack(raw, _MAX_META_BYTES, "runs part")
     if type(items) is not list:
         raise FrameError(f"runs part must be a msgpack list, got {type(items).__name__}")

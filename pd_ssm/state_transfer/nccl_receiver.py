@@ -34,9 +34,13 @@ from pd_ssm.state_transfer.nccl_group import (
     split_tcp,
 )
 from pd_ssm.state_transfer.nccl_inbound import Inbound
-from pd_ssm.state_transfer.nccl_message import unpack
+from pd_ssm.state_transfer.nccl_memo import Memo
+from pd_ssm.state_transfer.nccl_message import Headers, unpack
 from pd_ssm.state_transfer.reservations import ReservationTable
 from pd_ssm.state_transfer.wire import FrameError
+
+# runs parts kept (each at most 64 KiB): a few models' layouts at every place a coalesced message puts a request
+_MEMO_ENTRIES = 256
 
 
 class NcclReceiver:
@@ -60,6 +64,7 @@ class NcclReceiver:
         store.set(ADDRESS_KEY, self.address)
         self.rendezvous = f"tcp://{split_tcp(config.rendezvous)[0]}:{store.port}"
         self._store: dist.TCPStore | None = store
+        self._headers: Headers = Memo(_MEMO_ENTRIES)  # runs parts checked: they repeat message after message
         self._queue: deque[Inbound] = deque()  # side-channel messages read, in order, not yet acted on
         # NCCL: block sums run here behind each recv, off the stream the decode engine computes on
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -175,7 +180,7 @@ class NcclReceiver:
             return None
         if item.work is not None:
             if item.authentic:
-                item.parse()  # while its bytes are on the link
+                item.parse(self._headers)  # while its bytes are on the link
             self._wait(item)
             self._fill()  # the next messages' recvs go on the link before this one is checked
         if not item.authentic:
@@ -199,7 +204,7 @@ class NcclReceiver:
         if ticket.expired(self.table.clock()):
             self._fail(req_id, "its reservation expired before the pages arrived")
             return None
-        parsed = item.parse()[i]
+        parsed = item.parse(self._headers)[i]
         try:
             if isinstance(parsed, str):
                 raise FrameError(parsed)

@@ -40,8 +40,12 @@ from pd_ssm.state_transfer.nccl_group import (
     join_store,
     split_tcp,
 )
+from pd_ssm.state_transfer.nccl_memo import Memo
+from pd_ssm.state_transfer.nccl_message import Layouts
 
 _PROBE_TIMEOUT = 1.0  # seconds a liveness probe of the rendezvous store may take
+# (layout, offset) pairs kept: a few models' layouts at every place a coalesced message puts a request
+_MEMO_ENTRIES = 256
 _REAP_PROBE_S = 0.02  # seconds between the store probes of `reap` (flush always probes)
 
 
@@ -60,6 +64,7 @@ class NcclSender:
         # taken by `send`, not posted yet: the next message's requests. NOTE: within both caps, so
         # a coalesced message never exceeds what the receiver takes
         self._held = Coalescer(min(config.coalesce_bytes, config.max_message_bytes))
+        self._layouts: Layouts = Memo(_MEMO_ENTRIES)  # run headers by (layout, offset): they repeat
         self._pending: deque[OutMessage] = deque()  # p2p sends posted; they complete in posting order
         self._lost = "peer lost"  # why the last pairing went (a request held meanwhile fails with it)
         self._probed = 0.0  # time.monotonic() of reap's last store probe
@@ -130,7 +135,7 @@ class NcclSender:
                 self.ledger.fail(q.pages.req_id, self._lost)
             return
         try:
-            out = build(held, self._group.gen, self._token)
+            out = build(held, self._group.gen, self._token, self._layouts)
         except ValueError as e:  # a tensor whose dtype cannot go on the wire: that request alone fails
             if len(held) == 1:
                 self.ledger.fail(held[0].pages.req_id, str(e))
