@@ -80,6 +80,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "cb_low bk64 s2 r168": dict(scan_cb="low", scan_block_k=64, scan_stages=2, scan_maxnreg=168),
     # 146 registers x 256 threads uncapped: 1 program / SM; capped at 128 (no spill): 2
     "cb_low bm128 w8 r128": dict(scan_cb="low", scan_block_m=128, scan_warps=8, scan_maxnreg=128),
+    # CB blocks of 128 rows: whole scan tiles of 128 rows, loaded unmasked
+    "cb_low bm128 w8 r128 cb128": dict(scan_cb="low", scan_block_m=128, scan_warps=8, scan_maxnreg=128,
+                                       cb_block=128),
+    "cb_low bk64 s3 r168": dict(scan_cb="low", scan_block_k=64, scan_stages=3, scan_maxnreg=168),
 }
 if OPTS.only:
     VARIANTS = {k: v for k, v in VARIANTS.items() if k in OPTS.only.split(",")}

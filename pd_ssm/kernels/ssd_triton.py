@@ -228,9 +228,14 @@ def ssd_scan_with_config(
             num_warps=cfg.cb_warps, **dot,
         )
     else:
-        cb = out  # never read: CB_LOADED is off
+        cb, cb_blk = out, 0  # never read: CB_LOADED is off
 
     block_m = _block(Q, cfg.scan_block_m)
+    block_k = _block(Q, cfg.scan_block_k)
+    # NOTE: a scan tile (rows of one row block, columns below (row block + 1) * block_m) lies in one
+    # CB block on or below the diagonal, which the CB kernel wrote whole (columns past L as zeros),
+    # when CB blocks are whole row blocks, row blocks whole column steps, and chunks whole row blocks
+    whole_tiles = cb_loaded and cb_blk % block_m == 0 and block_m % block_k == 0 and Q % block_m == 0
     heads = cfg.scan_heads if (H // G) % cfg.scan_heads == 0 else 1
     # NOTE: one program's heads must lie in one group; else fall back to one set per program
     loop = cfg.scan_head_loop if (H // G) % (heads * cfg.scan_head_loop) == 0 else 1
@@ -239,7 +244,7 @@ def ssd_scan_with_config(
         K, H, P, N, H // G, G,
         x.stride(0), x.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
         out.stride(0), out.stride(1),
-        CHUNK=Q, HAS_D=D is not None, HEADS=heads, HEAD_LOOP=loop, CB_LOADED=cb_loaded, BLOCK_M=block_m, BLOCK_K=_block(Q, cfg.scan_block_k),
+        CHUNK=Q, HAS_D=D is not None, HEADS=heads, HEAD_LOOP=loop, CB_LOADED=cb_loaded, CB_WHOLE_TILES=whole_tiles, BLOCK_M=block_m, BLOCK_K=block_k,
         BLOCK_P=BP, BLOCK_N=BN, num_warps=cfg.scan_warps, num_stages=cfg.scan_stages, maxnreg=cfg.scan_maxnreg, **dot,
     )
     if not return_boundary_states:

@@ -6,8 +6,10 @@ recomputed by every head's program (at Mamba2-2.7B shapes, 80 heads on one group
 the scan's FLOPs).
 
 Layout: cb [K_max, G, CHUNK, CHUNK], rows = target token l, columns = source token s, both
-relative to the chunk start. Only blocks that hold some s <= l < L are written; the scan masks its
-loads to s <= l < L, so the rest is never read (and may hold garbage).
+relative to the chunk start. Only blocks that hold some s <= l < L are written, and those whole
+(columns past L as zeros, entries above the diagonal finite). The scan reads whole tiles of such
+blocks where its tiling nests in them (unmasked columns keep its loads vectorized), else it masks
+its loads to s <= l < L; the rest is never read (and may hold garbage).
 """
 
 from __future__ import annotations

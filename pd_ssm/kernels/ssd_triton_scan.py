@@ -66,6 +66,7 @@ def _ssd_chunk_scan_kernel(
     # meta-parameters
     CHUNK: tl.constexpr, HAS_D: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr, HEADS: tl.constexpr, HEAD_LOOP: tl.constexpr, CB_LOADED: tl.constexpr,
+    CB_WHOLE_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # HEADS (1, 2 or 4) consecutive heads of one group share this program's C and B tiles and each
@@ -129,7 +130,13 @@ def _ssd_chunk_scan_kernel(
             mk = offs_k < L
             causal = offs_m[:, None] >= offs_k[None, :]
             diag = offs_m[:, None] == offs_k[None, :]
-            if CB_LOADED:
+            if CB_LOADED and CB_WHOLE_TILES:
+                # NOTE: this tile lies in a block the CB kernel wrote whole (see the launcher): only
+                # the row mask, constant along the contiguous axis, so the loads stay vectorized; the
+                # entries above the diagonal are finite and get zero weight below
+                cb = tl.load(cb_base + offs_m[:, None] * CHUNK + offs_k[None, :], mask=mm[:, None],
+                             other=0.0).to(tl.float32)
+            elif CB_LOADED:
                 # NOTE: the CB kernel wrote only s <= l < L (block-wise): mask to exactly that
                 cb = tl.load(cb_base + offs_m[:, None] * CHUNK + offs_k[None, :],
                              mask=causal & mm[:, None] & mk[None, :], other=0.0).to(tl.float32)
