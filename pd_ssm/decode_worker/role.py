@@ -7,10 +7,13 @@ over-commits -- then the ReservationTable issues the ticket the router forwards 
 worker.  Pages that arrive and check out are imported into exactly that place and the request
 joins the running batch; its tokens leave through the worker loop's StepOutputs.
 
-Every reservation ends in exactly one of: imported, aborted (AbortRequest), failed (the
-connector's `get_failed`: bad frame, sender gone, its abort) or expired (nothing came before the
-ticket's expiry).  The last three give the slot and blocks back (`Engine.cancel_reservation`) and
-the failures are reported to the router, which ends the request.
+Every reservation ends in exactly one of: imported, aborted (AbortRequest), released because the
+sender aborted it (the connector's `get_failures`, kind SENDER_ABORTED), failed (any other kind:
+bad frame, sender gone) or expired (nothing came before the ticket's expiry).  All but the first
+give the slot and blocks back (`Engine.cancel_reservation`); failures and expiries are reported to
+the router, which ends the request.  A sender's abort is not: the prefill worker reports its own
+aborts (a request that ended at its first token, a send that failed there), and a report from here
+could reach the router before that request's last token and fail it.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pd_ssm.control.messages import AbortRequest, StepOutputs, SubmitRequest, To
 from pd_ssm.decode_worker.receivers import Receivers
 from pd_ssm.engine.engine import Engine, RequestError
 from pd_ssm.outputs import RequestOutput
-from pd_ssm.state_transfer.base import Connector, TransferStats
+from pd_ssm.state_transfer.base import Connector, FailureKind, TransferStats
 from pd_ssm.worker.engine_worker import delta_from_output
 
 log = logging.getLogger(__name__)
@@ -95,12 +98,16 @@ class DecodeRole:
             stats: dict[str, TransferStats] = take_stats() if take_stats is not None else {}
             for pages in arrived:
                 changed |= self._import(pages, stats.get(pages.req_id))
-            for req_id, why in connector.get_failed().items():
+            for req_id, failure in connector.get_failures().items():
                 if req_id in self.engine.reserved:
-                    self._fail(req_id, why)
+                    if failure.kind is FailureKind.SENDER_ABORTED:
+                        log.debug("decode worker %s: %s released: %s", self.worker_id, req_id, failure.reason)
+                        self._release(req_id)  # NOTE: no report: the sender reports its aborts itself
+                    else:
+                        self._fail(req_id, failure.reason)
                     changed = True
                 elif req_id.startswith("!"):
-                    log.warning("decode worker %s: dropped a transfer: %s", self.worker_id, why)
+                    log.warning("decode worker %s: dropped a transfer: %s", self.worker_id, failure.reason)
         for ticket in self.table.expire():
             self._fail(ticket.req_id, f"no pages came within the reservation's {self.table.ttl} s")
             changed = True

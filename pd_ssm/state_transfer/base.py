@@ -17,6 +17,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from types import TracebackType
 from typing import Self
 
@@ -71,6 +72,24 @@ class TransferStats:
         return self.nbytes / self.seconds / 1e9
 
 
+class FailureKind(Enum):
+    """How a transfer ended without its pages, which says who reports it."""
+
+    # a check failed, the peer died or went silent, the reservation expired: whoever sees it reports it
+    ERROR = "error"
+    # the sender aborted the request (it finished at its first token, or failed there): the sender
+    # reports that itself, so a second report from the receiver would only race it
+    SENDER_ABORTED = "sender_aborted"
+
+
+@dataclass(frozen=True, slots=True)
+class TransferFailure:
+    """One failed transfer, as `Connector.get_failures` reports it."""
+
+    reason: str
+    kind: FailureKind = FailureKind.ERROR
+
+
 class Connector(ABC):
     """Moves StatePages between one process and its peers. Thread-safety is per implementation.
 
@@ -78,8 +97,11 @@ class Connector(ABC):
     - Every page that arrives is checked (wire.py checksums, shapes, dtypes, exactly-once) before
       the request is reported complete; a request is complete only when all its layers arrived.
     - Every request ends in exactly one of: sent/received (`get_finished`), failed
-      (`get_failed`), or aborted (`abort`); in every case the connector holds none of its
-      buffers afterwards, and the caller releases its slot / blocks.
+      (`get_failures` / `get_failed`), or aborted (`abort`); in every case the connector holds
+      none of its buffers afterwards, and the caller releases its slot / blocks. On the receiving
+      side the sender's abort ends a request as a failure of kind `FailureKind.SENDER_ABORTED`
+      (the reservation is released; the sender reports its own abort), any other failure as
+      `FailureKind.ERROR`.
     - Nothing received is ever unpickled.
     """
 
@@ -112,7 +134,14 @@ class Connector(ABC):
     @abstractmethod
     def get_failed(self) -> dict[str, str]:
         """Request ids whose transfer failed since the last call (bad frame, peer died, expiry,
-        wrong token), each with a reason; the caller releases their pages."""
+        wrong token, the sender's abort), each with a reason; the caller releases their pages.
+        `get_failures` without the kinds: a failure is handed out once, by either call."""
+
+    def get_failures(self) -> dict[str, TransferFailure]:
+        """`get_failed` with each failure's kind, so a caller can tell the sender's abort (which
+        the sender reports) from a failure it must report. This default knows no kinds (all
+        ERROR); connectors that receive override it."""
+        return {req_id: TransferFailure(why) for req_id, why in self.get_failed().items()}
 
     @abstractmethod
     def abort(self, req_id: str) -> None:

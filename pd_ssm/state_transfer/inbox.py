@@ -7,9 +7,10 @@ checked out. Pure bookkeeping over the ReservationTable and the TransferLedger: 
 
 Every message must name a request with a live Ticket. Any failure -- a bad frame, an expired or
 missing reservation, the sender's "abort" frame -- drops what arrived of the request, cancels its
-reservation and records the reason in the ledger (`get_failed`), so the caller frees the slot and
-blocks. A request whose pieces stopped coming is dropped the same way once its ticket expires
-(`sweep`). Failures that name no request (wrong token, unparsable header) are keyed "!<what>-<n>".
+reservation and records the reason in the ledger (`get_failures`; the abort frame as kind
+SENDER_ABORTED), so the caller frees the slot and blocks. A request whose pieces stopped coming is
+dropped the same way once its ticket expires (`sweep`). Failures that name no request (wrong
+token, unparsable header) are keyed "!<what>-<n>".
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 from pd_ssm.cache.pages import StatePages
 from pd_ssm.state_transfer.assembler import PageAssembler
-from pd_ssm.state_transfer.base import TransferStats
+from pd_ssm.state_transfer.base import FailureKind, TransferStats
 from pd_ssm.state_transfer.checksum import gather_sums, sum_share, sum_shares
 from pd_ssm.state_transfer.ledger import TransferLedger
 from pd_ssm.state_transfer.reservations import ReservationTable
@@ -87,7 +88,7 @@ class Inbox:
             for frame in self._decode(parts):
                 if frame.kind == "abort" and frame.req_id == req_id:
                     assert frame.body is not None
-                    self._drop(req_id, f"aborted by the sender: {frame.body['reason']}")
+                    self._drop(req_id, f"aborted by the sender: {frame.body['reason']}", FailureKind.SENDER_ABORTED)
                     return None
                 part.asm.add(frame)
         except FrameError as e:
@@ -140,10 +141,10 @@ class Inbox:
     def num_in_progress(self) -> int:
         return len(self._partial)
 
-    def _drop(self, req_id: str, reason: str) -> None:
+    def _drop(self, req_id: str, reason: str, kind: FailureKind = FailureKind.ERROR) -> None:
         self._partial.pop(req_id, None)
         self.reservations.cancel(req_id)
-        self.ledger.fail(req_id, reason)
+        self.ledger.fail(req_id, reason, kind)
 
 
 def _peek(header: Buffer) -> tuple[str, str] | None:

@@ -1,9 +1,9 @@
 """TransferLedger: what a connector has to report, kept apart from how it moves bytes.
 
 Both connectors compose one: finished (sent / received) ids, failures with their reasons and
-per-request TransferStats, each handed out once by the `take_*` calls (the Connector contract's
-"since the last call"), plus the ids aborted recently, so late frames of an aborted request are
-dropped rather than delivered.  Pure Python, no sockets.
+kinds (base.FailureKind) and per-request TransferStats, each handed out once by the `take_*`
+calls (the Connector contract's "since the last call"), plus the ids aborted recently, so late
+frames of an aborted request are dropped rather than delivered.  Pure Python, no sockets.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 
-from pd_ssm.state_transfer.base import TransferStats
+from pd_ssm.state_transfer.base import FailureKind, TransferFailure, TransferStats
 
 
 class TransferLedger:
@@ -20,7 +20,7 @@ class TransferLedger:
         self._aborted: OrderedDict[str, None] = OrderedDict()
         self._sent: set[str] = set()
         self._received: set[str] = set()
-        self._failed: dict[str, str] = {}
+        self._failed: dict[str, TransferFailure] = {}
         self._stats: dict[str, TransferStats] = {}
         self._anon = itertools.count()
 
@@ -33,13 +33,13 @@ class TransferLedger:
         self._received.add(stats.req_id)
         self._stats[stats.req_id] = stats
 
-    def fail(self, req_id: str, reason: str) -> None:
-        self._failed[req_id] = reason
+    def fail(self, req_id: str, reason: str, kind: FailureKind = FailureKind.ERROR) -> None:
+        self._failed[req_id] = TransferFailure(reason, kind)
 
     def fail_anonymous(self, kind: str, reason: str) -> None:
         """A failure that names no trustworthy request (wrong token, unreadable header): keyed
         `!kind-n`, so a bad peer can never fail or cancel a real request."""
-        self._failed[f"!{kind}-{next(self._anon)}"] = reason
+        self._failed[f"!{kind}-{next(self._anon)}"] = TransferFailure(reason)
 
     def is_aborted(self, req_id: str) -> bool:
         return req_id in self._aborted
@@ -62,6 +62,10 @@ class TransferLedger:
         return sent, received
 
     def take_failed(self) -> dict[str, str]:
+        """`take_failures` with the reasons only."""
+        return {req_id: f.reason for req_id, f in self.take_failures().items()}
+
+    def take_failures(self) -> dict[str, TransferFailure]:
         failed, self._failed = self._failed, {}
         return failed
 

@@ -49,8 +49,9 @@ Pairing and recovery (the design of issue 4's "a peer dies mid-transfer"):
     not report (a send whose recv was never posted) -- the store went with it.
   - Abort: on the receiver it cancels the reservation and drops the bytes when they come; on the
     sender it sends an "abort" control, and the receiver releases the reservation at once if the
-    request has not arrived (one already sent is delivered: its bytes are on the stream; one
-    still held never leaves, and its message's other requests go without it).
+    request has not arrived, reporting a failure of kind SENDER_ABORTED (one already sent is
+    delivered: its bytes are on the stream; one still held never leaves, and its message's other
+    requests go without it).
   - Stream sync: once a data message of the live generation is read, its bytes are received
     whatever the receiver thinks of the request (wrong token, unknown / expired / aborted, bad
     metadata), into the buffer and then dropped, so the next request lines up. Only a control part
@@ -64,7 +65,7 @@ from __future__ import annotations
 import zmq
 
 from pd_ssm.cache.pages import StatePages
-from pd_ssm.state_transfer.base import Connector, Ticket, TransferStats
+from pd_ssm.state_transfer.base import Connector, Ticket, TransferFailure, TransferStats
 from pd_ssm.state_transfer.ledger import TransferLedger
 from pd_ssm.state_transfer.nccl_config import NcclConfig
 from pd_ssm.state_transfer.nccl_receiver import NcclReceiver
@@ -184,9 +185,13 @@ class NcclConnector(Connector):
         return self.ledger.take_finished()
 
     def get_failed(self) -> dict[str, str]:
+        return {req_id: f.reason for req_id, f in self.get_failures().items()}
+
+    def get_failures(self) -> dict[str, TransferFailure]:
+        """Receiver: a request whose sender aborted it (its abort message) is of kind SENDER_ABORTED."""
         if self._tx is not None and not self._closed:
             self._tx.reap()
-        return self.ledger.take_failed()
+        return self.ledger.take_failures()
 
     def get_stats(self) -> dict[str, TransferStats]:
         """Per-request TransferStats since the last call (sender: send() to p2p completed;
@@ -195,9 +200,9 @@ class NcclConnector(Connector):
 
     def abort(self, req_id: str) -> None:
         """Receiver: cancel the reservation; the request's bytes, if they come, are drained and
-        dropped. Sender: tell the receiver to release its reservation (reported there as failed,
-        "aborted by the sender"); a send already posted still completes (stream sync) and is
-        delivered, but is not reported here."""
+        dropped. Sender: tell the receiver to release its reservation (reported there as a failure
+        of kind SENDER_ABORTED, "aborted by the sender"); a send already posted still completes
+        (stream sync) and is delivered, but is not reported here."""
         self.ledger.abort(req_id)
         if self._tx is not None and not self._closed:
             self._tx.abort(req_id)

@@ -4,7 +4,7 @@ generations, receiving and checking requests against the ReservationTable.
 See nccl_connector.py for the protocol. Every request of a data message read ends in exactly one
 of: a StatePages returned, a failure in the ledger (reservation cancelled where the message was
 authentic and named a live one), or a silent drop (aborted here); a hello changes the pairing, an
-abort releases one reservation.
+abort releases one reservation (a failure of kind SENDER_ABORTED: the sender reports its abort).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch.distributed as dist
 import zmq
 
 from pd_ssm.cache.pages import StatePages
-from pd_ssm.state_transfer.base import TransferStats
+from pd_ssm.state_transfer.base import FailureKind, TransferStats
 from pd_ssm.state_transfer.ledger import TransferLedger
 from pd_ssm.state_transfer.nccl_checksum import PendingSums, trailer_bytes
 from pd_ssm.state_transfer.nccl_config import NcclConfig
@@ -176,7 +176,7 @@ class NcclReceiver:
             elif not item.authentic:  # an intruder must not cancel reservations
                 self.ledger.fail_anonymous("unauthenticated", f"abort of {control.req_id!r} with a wrong token")
             elif control.req_id in self.table:  # otherwise it arrived or failed already: nothing to undo
-                self._fail(control.req_id, "aborted by the sender")
+                self._fail(control.req_id, "aborted by the sender", FailureKind.SENDER_ABORTED)
             return None
         if item.work is not None:
             if item.authentic:
@@ -239,10 +239,10 @@ class NcclReceiver:
         self.lose_peer(f"p2p recv failed: {why}")
         item.lost = f"peer lost mid-transfer ({item.control.nbytes} B): {why}"
 
-    def _fail(self, req_id: str, reason: str) -> None:
+    def _fail(self, req_id: str, reason: str, kind: FailureKind = FailureKind.ERROR) -> None:
         """The request's reservation is released and its failure reported (the caller frees its pages)."""
         self.table.cancel(req_id)
-        self.ledger.fail(req_id, reason)
+        self.ledger.fail(req_id, reason, kind)
 
     def _hello(self, control: Control, authentic: bool) -> None:
         if not authentic:

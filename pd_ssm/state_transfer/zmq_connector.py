@@ -18,7 +18,8 @@ Sender: a message waits in an outbox until ZMQ accepts it (IMMEDIATE: only onto 
 peer; SNDHWM bounds ZMQ's queue); one not accepted within `send_timeout` fails its request
 (`get_failed`), so a dead peer never hangs the sender. A request counts as sent once its last
 message is out and ZMQ has released all its buffers (MessageTracker) -- the caller may reuse its
-pages then. `abort` of a request already partly sent tells the receiver with an "abort" frame.
+pages then. `abort` of a request already partly sent tells the receiver with an "abort" frame,
+which the receiver reports as a failure of kind SENDER_ABORTED (base.FailureKind).
 
 Receiver: inbox.py -- authentication, the live Ticket, per-request assembly across messages, and
 the failures that cancel a reservation. Received tensors are views of the ZMQ frames (no copy).
@@ -44,7 +45,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from pd_ssm.cache.pages import LayerPages, StatePages
-from pd_ssm.state_transfer.base import StreamingConnector, Ticket, TransferStats
+from pd_ssm.state_transfer.base import StreamingConnector, Ticket, TransferFailure, TransferStats
 from pd_ssm.state_transfer.inbox import Inbox
 from pd_ssm.state_transfer.ledger import TransferLedger
 from pd_ssm.state_transfer.reservations import ReservationTable
@@ -388,9 +389,13 @@ class ZmqConnector(StreamingConnector):
         return self.ledger.take_finished()
 
     def get_failed(self) -> dict[str, str]:
+        return {req_id: f.reason for req_id, f in self.get_failures().items()}
+
+    def get_failures(self) -> dict[str, TransferFailure]:
+        """Receiver: a request whose sender aborted it (its "abort" frame) is of kind SENDER_ABORTED."""
         if self._inbox is not None and not self._closed:
             self._inbox.sweep()
-        return self.ledger.take_failed()
+        return self.ledger.take_failures()
 
     def get_stats(self) -> dict[str, TransferStats]:
         """Per-request TransferStats since the last call: the sender times its first send to buffers
@@ -400,8 +405,9 @@ class ZmqConnector(StreamingConnector):
     def abort(self, req_id: str) -> None:
         """Sender: drop its queued messages and, once sending to its ticket had begun, tell the
         receiver (an "abort" frame) so it frees the reservation now -- also when every message was
-        still being checksummed here, since the receiver holds the place either way. Receiver:
-        cancel its reservation, drop what arrived and its later messages."""
+        still being checksummed here, since the receiver holds the place either way; the receiver
+        reports it as a SENDER_ABORTED failure. Receiver: cancel its reservation, drop what arrived
+        and its later messages."""
         self.ledger.abort(req_id)
         self._outbox = deque(o for o in self._outbox if o.req_id != req_id)
         stream = self._streams.pop(req_id, None)
