@@ -2,8 +2,10 @@
 
 Prefill (sender) killed: the decode side fails the request within its timeout, releases the
 reservation, and serves a new sender. Decode (receiver) killed: the sender fails the request
-within its timeouts, holds no buffer, and serves a new receiver. "Mid-transfer" is made likely
-by a request of a few hundred MB, which loopback needs well over the few ms before the kill.
+within its timeouts, holds no buffer, and serves a new receiver. A sender is killed inside a step
+of its send that comes before the request's last bytes can leave, so the receiver provably holds
+an incomplete request; a receiver is killed a few ms after a send of a few hundred MB began, which
+loopback needs well over that for.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import queue
 import signal
 import time
 from multiprocessing.synchronize import Event
+from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -39,18 +43,30 @@ BIG = 6 << 20  # fp32 elements per SSM page: 2 layers x 24 MB
 SPAWN = mp.get_context("spawn")
 
 
-def _die_mid_send(tx: Connector, big: StatePages, tkt: Ticket) -> None:
+def _die_mid_send(tx: Connector, big: StatePages, tkt: Ticket, module: ModuleType, step: str, settle: float) -> None:
+    """Send `big` and die inside `module.step`, a step of that send before its last bytes can
+    leave, `settle` seconds after entering it (for what did leave to land). A 5 ms sleep after the
+    send, as before, raced the link on a loaded CI host: the whole request could land first."""
+
+    def die(*args: Any) -> Any:
+        time.sleep(settle)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    setattr(module, step, die)
     tx.send(big, tkt)
-    time.sleep(0.005)  # the first bytes are on their way, most are not
-    os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError(f"sending {tkt.req_id!r} never reached {module.__name__}.{step}")
 
 
 def _nccl_sender_dies(rendezvous: str) -> None:
+    """Dies laying out "big"'s buffer: its metadata is out (the receiver posts its recv), no byte of
+    it is on the p2p stream."""
+    from pd_ssm.state_transfer import nccl_batch
+
     big = make_pages("big", seed=2, ssm_elems=BIG)
     tx = NcclConnector(NcclConfig(TOKEN, rendezvous, timeout=10.0))
     tx.send(make_pages("warm", seed=1), ticket(tx, "warm"))
     assert tx.flush(10.0)
-    _die_mid_send(tx, big, ticket(tx, "big"))
+    _die_mid_send(tx, big, ticket(tx, "big"), nccl_batch, "fill", settle=0.5)  # the metadata lands meanwhile
 
 
 def _nccl_sender_after(rendezvous: str) -> None:
@@ -152,12 +168,15 @@ def _zmq_ticket(address: str, req_id: str) -> Ticket:
 
 
 def _zmq_sender_dies(address: str) -> None:
-    """Streams layer 0 of "big", then dies in the middle of its last (large) message."""
+    """Streams layer 0 of "big" (flushed: it is out), then dies building its last message, the rest
+    of its layers with the request and end frames: no end frame ever leaves."""
+    from pd_ssm.state_transfer import zmq_connector
+
     big = make_pages("big", seed=2, ssm_elems=BIG)
     tx = ZmqConnector(ZmqConfig(TOKEN))
     tx.send_layers(_zmq_ticket(address, "big"), [big.layers.pop(0)])
     assert tx.flush(10.0)
-    _die_mid_send(tx, big, _zmq_ticket(address, "big"))
+    _die_mid_send(tx, big, _zmq_ticket(address, "big"), zmq_connector, "encode_end", settle=0.0)
 
 
 def _zmq_sender_after(address: str, ready: Event, go: Event) -> None:
