@@ -33,6 +33,7 @@ import torch
 
 from pd_ssm.state_transfer import checksum
 from pd_ssm.state_transfer.checksum import sums_bytes
+from pd_ssm.state_transfer.nccl_pinned import PinnedPool
 
 # NOTE: also the alignment of every run in the coalesced buffer (so a run's sums are its own)
 BLOCK = 64 << 10
@@ -78,36 +79,40 @@ def block_sums(buf: torch.Tensor) -> bytes:
 
 class PendingSums:
     """Block sums on their way to the host, with `trailer` (the sender's sums, received) if given.
-    On CUDA: one kernel queued on the current stream behind whatever wrote the buffer, copied into
-    pinned memory without blocking the host. On the CPU they are computed at once (numpy's integer
-    reduction is ~10x torch's there; the same integers)."""
+    On CUDA: one kernel queued on the current stream behind whatever wrote the buffer -- it also
+    copies the trailer's sums beside ours -- and one copy of both into pinned memory (from `pool`,
+    given back once read; a fresh buffer without one) without blocking the host. On the CPU they
+    are computed at once (numpy's integer reduction is ~10x torch's there; the same integers).
+    `theirs` holds the trailer's first 8 bytes per block of `buf`: all that `same_sums` compares."""
 
-    def __init__(self, buf: torch.Tensor, trailer: torch.Tensor | None = None) -> None:
+    def __init__(self, buf: torch.Tensor, trailer: torch.Tensor | None = None, pool: PinnedPool | None = None) -> None:
         if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() % BLOCK:
             raise ValueError(
                 f"block_sums needs a 1-D uint8 buffer whose length is a multiple of {BLOCK}, "
                 f"got {buf.dtype} {tuple(buf.shape)}"
             )
+        self._blocks = buf.numel() // BLOCK
         self._bytes: bytes | None = None
         self._theirs = b""
-        self._host: torch.Tensor | None = None
-        self._host_trailer: torch.Tensor | None = None
+        self._host: torch.Tensor | None = None  # pinned int64: our sums, then the trailer's if it came
+        self._with_trailer = trailer is not None
+        self._pool = pool
         self._done: torch.cuda.Event | None = None
+        if trailer is not None and trailer.numel() < 8 * self._blocks:
+            raise ValueError(f"a trailer of {trailer.numel()} bytes cannot hold the sums of {self._blocks} blocks")
         if buf.numel() == 0:
             self._bytes = b""
         elif buf.device.type == "cpu":
             small = checksum.host_block_sums(buf.numpy())
             self._bytes = sums_bytes(small.reshape(-1, _PER_BLOCK).sum(axis=1))
-            self._theirs = b"" if trailer is None else trailer.numpy().tobytes()
+            self._theirs = b"" if trailer is None else trailer[: 8 * self._blocks].numpy().tobytes()
         else:
             from pd_ssm.state_transfer.block_sums_triton import block_sums_triton
 
-            sums = block_sums_triton(buf)
-            self._host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
-            self._host.copy_(sums, non_blocking=True)
-            if trailer is not None:
-                self._host_trailer = torch.empty(trailer.shape, dtype=torch.uint8, pin_memory=True)
-                self._host_trailer.copy_(trailer, non_blocking=True)
+            sums = block_sums_triton(buf, theirs=trailer)  # [blocks] or [2 * blocks] int64
+            n = sums.numel()
+            self._host = pool.take(n) if pool is not None else torch.empty(n, dtype=torch.int64, pin_memory=True)
+            self._host[:n].copy_(sums, non_blocking=True)
             self._done = torch.cuda.current_stream(buf.device).record_event()
 
     def ready(self) -> bool:
@@ -118,10 +123,13 @@ class PendingSums:
         if self._bytes is None:
             assert self._done is not None and self._host is not None
             self._done.synchronize()
-            self._bytes = sums_bytes(self._host.numpy())
-            if self._host_trailer is not None:
-                self._theirs = self._host_trailer.numpy().tobytes()
-            self._host = self._host_trailer = self._done = None
+            words = self._host.numpy()
+            self._bytes = sums_bytes(words[: self._blocks])
+            if self._with_trailer:
+                self._theirs = words[self._blocks : 2 * self._blocks].tobytes()  # the trailer's bytes as sent
+            if self._pool is not None:
+                self._pool.give(self._host)  # read: the next message may land in it
+            self._host = self._done = None
         return self._bytes
 
     def theirs(self) -> bytes:

@@ -36,6 +36,7 @@ from pd_ssm.state_transfer.nccl_group import (
 from pd_ssm.state_transfer.nccl_inbound import Inbound
 from pd_ssm.state_transfer.nccl_memo import Memo
 from pd_ssm.state_transfer.nccl_message import Headers, unpack
+from pd_ssm.state_transfer.nccl_pinned import PinnedPool
 from pd_ssm.state_transfer.reservations import ReservationTable
 from pd_ssm.state_transfer.wire import FrameError
 
@@ -68,6 +69,7 @@ class NcclReceiver:
         self._queue: deque[Inbound] = deque()  # side-channel messages read, in order, not yet acted on
         # NCCL: block sums run here behind each recv, off the stream the decode engine computes on
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._pinned = PinnedPool() if self._side is not None else None  # where those sums land on the host
 
     @property
     def paired(self) -> bool:
@@ -163,7 +165,7 @@ class NcclReceiver:
         with torch.cuda.stream(self._side):
             item.work.wait()
             item.buf.record_stream(self._side)
-            return PendingSums(item.buf[:payload], item.buf[payload:])
+            return PendingSums(item.buf[:payload], item.buf[payload:], self._pinned)
 
     def _finish(self, item: Inbound) -> StatePages | None:
         """The next message in order: act on it, or on the next of its requests -- waiting for its
