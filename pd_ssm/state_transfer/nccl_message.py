@@ -160,8 +160,18 @@ def fill(planned: Plan, device: torch.device) -> torch.Tensor:
     payload = planned.payload
     buf = torch.empty(payload + trailer_bytes(payload), dtype=torch.uint8, device=device)
     host = buf.numpy() if buf.device.type == "cpu" else None
+    outs: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    gaps: list[torch.Tensor] = []
     for ms, sources in zip(planned.headers, planned.sources, strict=True):
-        _fill(buf, host, ms, sources)
+        _place(buf, host, ms, sources, outs, srcs, gaps)
+    # NOTE: one batched copy and one batched zero for the whole message: per run, a copy_ and a
+    # zero_ launch cost the sender's host ~0.13 ms a request on the H200, where the link moves a
+    # bf16 2.7B request in ~0.29 ms and the next message waits for them
+    if outs:
+        torch._foreach_copy_(outs, srcs)
+    if gaps:
+        torch._foreach_zero_(gaps)
     write_sums(buf[:payload], buf[payload:])
     return buf
 
@@ -186,16 +196,22 @@ def _as_dict(m: RunMeta) -> dict[str, Any]:
             "shape": list(m.shape), "offset": m.offset, "nbytes": m.nbytes, "checksum": m.checksum}
 
 
-def _fill(buf: torch.Tensor, host: np.ndarray | None, metas: tuple[RunMeta, ...], sources: list[_Source]) -> None:
-    """Copy each run into its place and zero the gap behind it (the gap is summed: both sides must
-    see zeros). `host`: the buffer's numpy view on the CPU, where a small fill through torch costs
-    milliseconds on a busy machine (its thread pool wakes up for 64 KiB) and numpy's memset does not."""
+def _place(buf: torch.Tensor, host: np.ndarray | None, metas: tuple[RunMeta, ...], sources: list[_Source],
+           outs: list[torch.Tensor], srcs: list[torch.Tensor], gaps: list[torch.Tensor]) -> None:
+    """Each run's place in `buf` and its source into `outs` / `srcs` (a stacked tensor on the
+    buffer's device), or the run copied or stacked into its place at once (otherwise); the gap behind each run into `gaps` (the
+    gap is summed: both sides must see zeros). `host`: the buffer's numpy view on the CPU, whose
+    gaps are zeroed here: a small fill through torch costs milliseconds on a busy machine (its
+    thread pool wakes up for 64 KiB) and numpy's memset does not."""
     for m, source in zip(metas, sources, strict=True):
         start, n = m.offset, m.nbytes
         if n:
             out = buf[start : start + n].view(m.dtype).view(len(m.layers), *m.shape)
-            if isinstance(source, torch.Tensor):
-                out.copy_(source)  # across devices too
+            if isinstance(source, torch.Tensor) and source.device == buf.device:
+                outs.append(out)
+                srcs.append(source)
+            elif isinstance(source, torch.Tensor):
+                out.copy_(source)  # across devices: not batched
             else:
                 if source[0].device != buf.device:  # host pages for a GPU buffer: the slow path
                     source = [t.to(buf.device) for t in source]
@@ -205,7 +221,7 @@ def _fill(buf: torch.Tensor, host: np.ndarray | None, metas: tuple[RunMeta, ...]
             if host is not None:
                 host[start + n : end] = 0
             else:
-                buf[start + n : end].zero_()
+                gaps.append(buf[start + n : end])
 
 
 def seal(metas: list[dict[str, Any]]) -> None:
