@@ -9,6 +9,8 @@ buffers (dt', its cumsum, entering states, chunk metadata) filled with random va
 ranges; do_bench median inside a CUDA graph-free eager launch.
 
     PYTHONPATH=. python3 benchmarks/ssd_scan_ablation_gpu.py [--tokens 32768]
+    PYTHONPATH=. ncu --clock-control none -k regex:_ssd_chunk_scan --launch-skip 2 --launch-count 1 \
+        --section WarpStateStats ... python3 benchmarks/ssd_scan_ablation_gpu.py --profile
 
 Prints one line per variant (ms, and the share of the full kernel's time it removes) and writes
 $OUT/ssd_scan_ablation.json.
@@ -106,6 +108,8 @@ VARIANTS = {
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--profile", action="store_true",
+                    help="only launch the product kernel 4 times (under ncu: --launch-skip 2 --launch-count 1)")
     a = ap.parse_args()
     dev = torch.device("cuda")
     T, H, P, N, Q = a.tokens, 80, 64, 128, 256
@@ -159,6 +163,11 @@ def main() -> None:
 
         return do_bench(step, warmup=20, rep=100, return_mode="median")
 
+    if a.profile:
+        for k in range(4):
+            stock(sets[k % len(sets)])
+        torch.cuda.synchronize()
+        return
     res = {"stock kernel": time_of(stock)}
     regs = {"stock kernel": getattr(stock(sets[0]), "n_regs", -1)}
     for name, flags in VARIANTS.items():
