@@ -4,8 +4,10 @@ Prefill (sender) killed: the decode side fails the request within its timeout, r
 reservation, and serves a new sender. Decode (receiver) killed: the sender fails the request
 within its timeouts, holds no buffer, and serves a new receiver. A sender is killed inside a step
 of its send that comes before the request's last bytes can leave, so the receiver provably holds
-an incomplete request; a receiver is killed a few ms after a send of a few hundred MB began, which
-loopback needs well over that for.
+an incomplete request; a receiver is killed inside a step of its receive that comes before the
+request can be whole there (NCCL: posting the recv; ZMQ: right after it took the first of the
+request's messages). Killing either a few ms after the send, as before, raced the link: on a
+loaded CI host the whole request could land first.
 """
 
 from __future__ import annotations
@@ -109,15 +111,38 @@ def _nccl_receiver(rendezvous: str, seen: queue.Queue[str]) -> None:
         _serve(rx, seen)
 
 
-def _serve(rx: Connector, seen: queue.Queue[str]) -> None:
-    """Receive until "after" arrived (or 15 s); report each request id ("!" if not bit-exact)."""
+def _nccl_receiver_dies(rendezvous: str, seen: queue.Queue[str]) -> None:
+    """Receives "warm", then dies posting the recv of "big": its metadata read, its buffer
+    allocated, no recv posted. Gloo moves no byte of a p2p send before the peer posted its recv
+    (it waits for the peer's NOTIFY_RECV_READY), so no byte of "big" ever leaves the sender. (Dying
+    after posting it would race the link again: gloo's own thread takes the bytes meanwhile.)"""
+    from pd_ssm.state_transfer import nccl_group
+
+    table = ReservationTable(ttl=60.0, token=TOKEN)
+    reserve(table, "warm", "big")
+    with NcclConnector(
+        NcclConfig(TOKEN, rendezvous, timeout=5.0), bind="tcp://127.0.0.1:0", reservations=table
+    ) as rx:
+        _serve(rx, seen, last="warm")
+        # NOTE: only now, paired: the pairing handshake posts a recv too
+        nccl_group.PeerGroup.irecv = _die  # type: ignore[method-assign, assignment]
+        _serve(rx, seen)
+    raise AssertionError('receiving "big" never reached PeerGroup.irecv')
+
+
+def _die(*args: Any) -> Any:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _serve(rx: Connector, seen: queue.Queue[str], last: str = "after") -> None:
+    """Receive until `last` arrived (or 15 s); report each request id ("!" if not bit-exact)."""
     end = time.monotonic() + 15.0
     while time.monotonic() < end:
         p = rx.recv(timeout=0.1)
         if p is not None:
             exact = p.req_id != "after" or _same(make_pages("after", torch.bfloat16, seed=3), p)
             seen.put(p.req_id if exact else "!" + p.req_id)
-            if p.req_id == "after":
+            if p.req_id == last:
                 return
 
 
@@ -132,7 +157,7 @@ def _same(a: StatePages, b: StatePages) -> bool:
 def test_nccl_receiver_killed_mid_transfer() -> None:
     seen: queue.Queue[str] = SPAWN.Queue()
     rendezvous = f"tcp://127.0.0.1:{free_port()}"
-    proc = SPAWN.Process(target=_nccl_receiver, args=(rendezvous, seen))
+    proc = SPAWN.Process(target=_nccl_receiver_dies, args=(rendezvous, seen))
     proc.start()
     big = make_pages("big", seed=2, ssm_elems=BIG)
     try:
@@ -140,13 +165,13 @@ def test_nccl_receiver_killed_mid_transfer() -> None:
         tx.send(make_pages("warm", seed=1), ticket(tx, "warm"))
         assert tx.flush(5.0) and seen.get(timeout=5.0) == "warm"
         tx.send(big, ticket(tx, "big"))
-        time.sleep(0.005)
-        proc.kill()
+        proc.join(15.0)  # it dies posting the recv of "big"
+        assert proc.exitcode == -signal.SIGKILL
         t0 = time.monotonic()
         tx.flush(5.0)  # True: nothing left in flight; "big" failed, not sent
         assert time.monotonic() - t0 < 5.0 and tx.in_flight == 0 and not tx.paired
         failed = tx.get_failed()
-        assert list(failed) == ["big"] and "peer" in failed["big"] or "pairing" in failed["big"], failed
+        assert list(failed) == ["big"] and ("peer" in failed["big"] or "pairing" in failed["big"]), failed
         assert tx.get_finished() == ({"warm"}, set())
     finally:
         proc.kill()
@@ -225,12 +250,36 @@ def _zmq_receiver(address: str, seen: queue.Queue[str], ready: Event) -> None:
         _serve(rx, seen)
 
 
+def _zmq_receiver_dies(address: str, seen: queue.Queue[str], ready: Event, go: Event) -> None:
+    """Receives "warm", then takes the first of "big"'s messages (its layer 0; the request and end
+    frames come in its last) and, once `go` is set, dies there: "big" is provably incomplete here."""
+    from pd_ssm.state_transfer.inbox import Inbox
+
+    accept = Inbox.accept
+
+    def accept_then_die(self: Inbox, msg: Any) -> Any:
+        pages = accept(self, msg)
+        if self.num_in_progress:  # part of "big" taken, its end frame not
+            assert go.wait(15.0)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return pages
+
+    table = ReservationTable(ttl=60.0, token=TOKEN)
+    reserve(table, "warm", "big")
+    with ZmqConnector(ZmqConfig(TOKEN), bind=address, reservations=table) as rx:
+        ready.set()
+        _serve(rx, seen, last="warm")
+        Inbox.accept = accept_then_die  # type: ignore[method-assign]
+        _serve(rx, seen)
+    raise AssertionError('receiving "big" never took part of it')
+
+
 def test_zmq_receiver_killed_mid_transfer() -> None:
     seen: queue.Queue[str] = SPAWN.Queue()
     address = f"tcp://127.0.0.1:{free_port()}"
     big = make_pages("big", seed=2, ssm_elems=BIG)
-    ready = SPAWN.Event()
-    proc = SPAWN.Process(target=_zmq_receiver, args=(address, seen, ready))
+    ready, go = SPAWN.Event(), SPAWN.Event()
+    proc = SPAWN.Process(target=_zmq_receiver_dies, args=(address, seen, ready, go))
     proc.start()
     with ZmqConnector(ZmqConfig(TOKEN, send_timeout=2.0, linger_ms=100)) as tx:
         try:
@@ -238,9 +287,19 @@ def test_zmq_receiver_killed_mid_transfer() -> None:
             tx.send(make_pages("warm", seed=1), _zmq_ticket(address, "warm"))
             assert tx.flush(10.0) and seen.get(timeout=10.0) == "warm"
             tx.send(big, _zmq_ticket(address, "big"))
-            time.sleep(0.005)
-            proc.kill()
+            # NOTE: a request counts as sent once ZMQ released its buffers, and the receiver's ZMQ
+            # may take all of "big" while it lives (loopback socket buffers alone hold tens of MB): so every
+            # message of "big" goes into ZMQ (one pump at a time: flush(0.0)), then no pump until
+            # the sender's ZMQ saw the receiver go -- a pump fails a disconnected peer's requests
+            # before it counts released buffers, and "big" is never reported sent
+            while tx._outbox:
+                time.sleep(0.002)  # its checksums
+                tx.flush(0.0)
+            go.set()
+            proc.join(15.0)
+            assert proc.exitcode == -signal.SIGKILL
             t0 = time.monotonic()
+            assert tx._monitors[address].poll(3000)  # the disconnect, seen by the sender's ZMQ
             assert tx.flush(5.0)  # nothing left waiting: no buffer held
             assert time.monotonic() - t0 < 3.0
             failed = tx.get_failed()
