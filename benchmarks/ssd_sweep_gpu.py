@@ -84,6 +84,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "cb_low bm128 w8 r128 cb128": dict(scan_cb="low", scan_block_m=128, scan_warps=8, scan_maxnreg=128,
                                        cb_block=128),
     "cb_low bk64 s3 r168": dict(scan_cb="low", scan_block_k=64, scan_stages=3, scan_maxnreg=168),
+    # more programs per SM (benchmarks/ssd_offline_compile.py; the default fits 3, by shared memory):
+    # BK16 s3 86 registers / 50 KB -> 4; BK16 s2 92 / 44 KB -> 5; cb_low s2 r128 126 / 48 KB -> 4;
+    # cb_low BK16 s3 88 / 44 KB -> 5. Not yet timed.
+    "bk16 s3": dict(scan_block_k=16),
+    "bk16 s2": dict(scan_block_k=16, scan_stages=2),
+    "cb_low s2 r128": dict(scan_cb="low", scan_stages=2, scan_maxnreg=128),
+    "cb_low bk16 s3": dict(scan_cb="low", scan_block_k=16),
 }
 if OPTS.only:
     VARIANTS = {k: v for k, v in VARIANTS.items() if k in OPTS.only.split(",")}
