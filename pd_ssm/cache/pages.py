@@ -63,6 +63,16 @@ class PageRun:
     def nbytes(self) -> int:
         return self.stacked.numel() * self.stacked.element_size()
 
+    def unit(self) -> int:
+        """Bytes of one layer's tensor."""
+        return self.stacked[0].numel() * self.stacked.element_size()
+
+    def part(self, start: int, stop: int) -> PageRun:
+        """Layers [start, stop) of this run (a view)."""
+        if start == 0 and stop == len(self.layers):
+            return self
+        return PageRun(self.kind, self.name, self.layers[start:stop], self.stacked[start:stop])
+
 
 class StatePages:
     """A request's state and its pages, per layer (`layers`) or still as runs (`runs`)."""

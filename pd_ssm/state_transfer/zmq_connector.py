@@ -44,7 +44,7 @@ from typing import NamedTuple
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from pd_ssm.cache.pages import LayerPages, StatePages
+from pd_ssm.cache.pages import LayerPages, PageRun, StatePages
 from pd_ssm.state_transfer.base import StreamingConnector, Ticket, TransferFailure, TransferStats
 from pd_ssm.state_transfer.inbox import Inbox
 from pd_ssm.state_transfer.ledger import TransferLedger
@@ -52,7 +52,6 @@ from pd_ssm.state_transfer.reservations import ReservationTable
 from pd_ssm.state_transfer.wire import Parts, encode_abort, encode_end, encode_request
 from pd_ssm.state_transfer.zmq_framing import (
     Sealing,
-    Slab,
     cut,
     message_sizes,
     slabs_of_layers,
@@ -191,7 +190,7 @@ class ZmqConnector(StreamingConnector):
         stream.final = True
         self._enqueue(pages.req_id, stream, _Encoded(pieces, 1 + paged.num_frames), last)
 
-    def _encode(self, req_id: str, slabs: list[Slab]) -> _Encoded:
+    def _encode(self, req_id: str, slabs: list[PageRun]) -> _Encoded:
         """Frames of `slabs` (a page frame per one-layer slab, else a run frame), summed by the pool
         in the background: a prefill forward streaming its layers must not wait for checksums.
         A slab the wire cannot carry (e.g. a dtype it does not know) fails its request through
@@ -214,7 +213,7 @@ class ZmqConnector(StreamingConnector):
             raise ValueError(f"{ticket.req_id!r} is being sent to {stream.address}, not {ticket.address}")
         return stream
 
-    def _enqueue(self, req_id: str, stream: _Stream, encoded: _Encoded, slabs: list[Slab]) -> None:
+    def _enqueue(self, req_id: str, stream: _Stream, encoded: _Encoded, slabs: list[PageRun]) -> None:
         stream.num_frames += encoded.num_frames  # NOTE: without the end frame, which counts the others
         stream.nbytes += sum(s.nbytes() for s in slabs)
         stream.messages += 1

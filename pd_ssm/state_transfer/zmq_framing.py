@@ -1,8 +1,9 @@
 """How the ZmqConnector cuts a request's pages into messages and frames, and checksums them.
 
-Slab: consecutive layers of one tensor name, on the host, with one contiguous payload -- what one
-frame carries: a "run" frame for several layers, a "page" frame for one (wire.py). Frames have a
-fixed cost of ~40 us a side in Python, so a request goes out in as few as its messages allow:
+A slab is a PageRun (cache/pages.py) staged on the host with one contiguous payload: consecutive
+layers of one tensor name, what one frame carries -- a "run" frame for several layers, a "page"
+frame for one (wire.py). Frames have a fixed cost of ~40 us a side in Python, so a request goes
+out in as few as its messages allow:
   - pages as runs (export_pages: one stacked tensor per pool tensor) are sliced at message
     boundaries, views of the runs, no copy: a Mamba2-2.7B request is ~10 frames, not 128;
   - per-layer pages (layer-wise streaming, pages edited after export) of one name, shape and
@@ -22,7 +23,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future
-from typing import NamedTuple
 
 import torch
 
@@ -39,36 +39,13 @@ FRAME_MOST = 24 << 20
 _NEVER = 1 << 62
 
 
-class Slab(NamedTuple):
-    """Layers `layers` (ascending) of tensor `name`, stacked: `stacked` is [len(layers), *shape],
-    contiguous, on the CPU."""
-
-    kind: str  # "ssm" | "attention"
-    name: str
-    layers: tuple[int, ...]
-    stacked: torch.Tensor
-
-    def unit(self) -> int:
-        """Bytes of one layer's tensor."""
-        return self.stacked[0].numel() * self.stacked.element_size()
-
-    def nbytes(self) -> int:
-        return self.stacked.numel() * self.stacked.element_size()
-
-    def part(self, start: int, stop: int) -> Slab:
-        """Layers [start, stop) of this slab (a view)."""
-        if start == 0 and stop == len(self.layers):
-            return self
-        return Slab(self.kind, self.name, self.layers[start:stop], self.stacked[start:stop])
-
-
-def slabs_of_runs(runs: Sequence[PageRun]) -> list[Slab]:
+def slabs_of_runs(runs: Sequence[PageRun]) -> list[PageRun]:
     """One slab per run (in order), staged to pinned host memory if on a GPU."""
     staged = _Staging()
-    return staged.done([Slab(r.kind, r.name, tuple(r.layers), staged.host(r.stacked)) for r in runs])
+    return staged.done([PageRun(r.kind, r.name, tuple(r.layers), staged.host(r.stacked)) for r in runs])
 
 
-def slabs_of_layers(layers: Sequence[LayerPages], stack_below: int = STACK_BELOW) -> list[Slab]:
+def slabs_of_layers(layers: Sequence[LayerPages], stack_below: int = STACK_BELOW) -> list[PageRun]:
     """Per-layer pages grouped by (kind, name, dtype, shape), layers ascending, in order of first
     appearance; a group of small tensors (< `stack_below` bytes each) is stacked into one slab, a
     group of large ones gives one slab per layer (a view)."""
@@ -79,12 +56,12 @@ def slabs_of_layers(layers: Sequence[LayerPages], stack_below: int = STACK_BELOW
             ids, tensors = groups.setdefault((page.kind, name, t.dtype, t.shape), ([], []))
             ids.append(page.layer_idx)
             tensors.append(staged.host(t))
-    slabs: list[Slab] = []
+    slabs: list[PageRun] = []
     for (kind, name, _, _), (ids, tensors) in groups.items():
         if len(ids) > 1 and tensors[0].numel() * tensors[0].element_size() < stack_below:
-            slabs.append(Slab(kind, name, tuple(ids), torch.stack(tensors)))
+            slabs.append(PageRun(kind, name, tuple(ids), torch.stack(tensors)))
         else:
-            slabs.extend(Slab(kind, name, (i,), t.unsqueeze(0)) for i, t in zip(ids, tensors, strict=True))
+            slabs.extend(PageRun(kind, name, (i,), t.unsqueeze(0)) for i, t in zip(ids, tensors, strict=True))
     return staged.done(slabs)
 
 
@@ -103,7 +80,7 @@ class _Staging:
         self.staged = True
         return host
 
-    def done(self, slabs: list[Slab]) -> list[Slab]:
+    def done(self, slabs: list[PageRun]) -> list[PageRun]:
         if self.staged:
             torch.cuda.synchronize()
         return slabs
@@ -126,11 +103,11 @@ def message_sizes(total: int, edge: int, most: int) -> list[int]:
     return front + middle + back[::-1]
 
 
-def cut(slabs: Sequence[Slab], sizes: Sequence[int]) -> list[list[Slab]]:
+def cut(slabs: Sequence[PageRun], sizes: Sequence[int]) -> list[list[PageRun]]:
     """The slabs' layers, in order, cut into groups where their running bytes first reach each
     running total of `sizes`; a slab that spans a cut is split there (views). Layers are not
     split: every group holds at least one, unless there are none."""
-    groups: list[list[Slab]] = [[]]
+    groups: list[list[PageRun]] = [[]]
     cuts = itertools.accumulate(sizes)
     end, done = next(cuts, 0), 0
     for slab in slabs:
@@ -148,7 +125,7 @@ def cut(slabs: Sequence[Slab], sizes: Sequence[int]) -> list[list[Slab]]:
     return groups
 
 
-def unsealed_frames(req_id: str, slabs: Sequence[Slab], most: int = FRAME_MOST) -> list[Unsealed]:
+def unsealed_frames(req_id: str, slabs: Sequence[PageRun], most: int = FRAME_MOST) -> list[Unsealed]:
     """The slabs as frames of at most `most` bytes or one layer each (a slab larger than that is
     split at layer boundaries): a page frame for one layer, a run frame for more (payloads are
     views)."""
@@ -159,10 +136,10 @@ def unsealed_frames(req_id: str, slabs: Sequence[Slab], most: int = FRAME_MOST) 
     ]
 
 
-def _split(slabs: Sequence[Slab], most: int) -> list[Slab]:
+def _split(slabs: Sequence[PageRun], most: int) -> list[PageRun]:
     """Each slab in as few parts as keep each at most `most` bytes (or one layer), the same number
     of layers in each but the last."""
-    parts: list[Slab] = []
+    parts: list[PageRun] = []
     for slab in slabs:
         n, unit = len(slab.layers), slab.unit()
         fit = n if unit == 0 else max(1, most // unit)  # layers a part may hold

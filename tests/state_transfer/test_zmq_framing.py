@@ -10,7 +10,6 @@ import torch
 from pd_ssm.cache.pages import LayerPages, PageRun
 from pd_ssm.state_transfer.wire import Unsealed
 from pd_ssm.state_transfer.zmq_framing import (
-    Slab,
     cut,
     message_sizes,
     slabs_of_layers,
@@ -31,11 +30,11 @@ def test_message_sizes_ramp_up_and_down_and_cover_the_request() -> None:
     assert message_sizes(0, 4, 8) == [0]
 
 
-def slab(name: str, layers: list[int], unit: int) -> Slab:
-    return Slab("ssm", name, tuple(layers), torch.arange(len(layers) * unit, dtype=torch.uint8).view(len(layers), unit))
+def slab(name: str, layers: list[int], unit: int) -> PageRun:
+    return PageRun("ssm", name, tuple(layers), torch.arange(len(layers) * unit, dtype=torch.uint8).view(len(layers), unit))
 
 
-def shape_of(groups: list[list[Slab]]) -> list[list[tuple[str, tuple[int, ...]]]]:
+def shape_of(groups: list[list[PageRun]]) -> list[list[tuple[str, tuple[int, ...]]]]:
     return [[(s.name, s.layers) for s in g] for g in groups]
 
 
