@@ -141,6 +141,10 @@ class DecodeRole:
     def transfers(self) -> int:
         return len(self.engine.reserved)
 
+    @property
+    def queued(self) -> int:
+        return 0  # a reservation is answered at once: nothing waits outside the engine
+
     def delta(self, out: RequestOutput) -> TokenDelta:
         return delta_from_output(out)
 

@@ -36,12 +36,16 @@ def make_role(args: argparse.Namespace, engine: Engine, worker_id: str) -> Prefi
 
         # gloo (CPU) sends complete only inside a blocking wait: see FanoutConnector
         connector = FanoutConnector(pair, wait_sends=device == "cpu")
-    return PrefillRole(engine, connector, worker_id)
+    return PrefillRole(engine, connector, worker_id, max_unsent=args.max_unsent)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser("python -m pd_ssm.prefill_worker", __doc__)
     add_transfer_flags(p)
+    p.add_argument("--max-unsent", type=int, default=64,
+                   help="requests without a decode worker's ticket this worker holds at most; past it, new "
+                        "prefill requests wait on its host, so that their state pages do not pile up on the "
+                        "GPU while every decode worker is full")
     return run(p.parse_args(argv), make_role)
 
 

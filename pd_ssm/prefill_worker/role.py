@@ -10,11 +10,21 @@ A request is `live` here from its PrefillRequest until exactly one of: its trans
 (TransferReport ok), it fails (TransferReport not ok: expired ticket, peer gone), it finishes at
 its first token or is aborted (the sink's `cancel`).  The engine frees its pages as soon as they
 are shipped; what stays is the connector's host copy, released by the same events.
+
+Back-pressure: the router sends a request here at once and asks decode workers for room at the
+same time; while every decode worker is full, its ticket does not come, and a finished prefill's
+exported pages (168 MB for a Mamba2-2.7B request with fp32 state, on the GPU for NCCL) wait here.
+So at most `max_unsent` live requests may lack a ticket: past that, a new PrefillRequest waits in
+`deferred` (a few hundred bytes on the host) and enters the engine when a ticketless request
+ships or ends.  A deferred request whose ticket comes enters at once: its pages can leave as soon
+as they are made, and its reservation on the decode side would expire while it waited behind
+requests that have none.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -38,12 +48,17 @@ def ticket_of(spec: TicketSpec) -> Ticket:
 class PrefillRole:
     name = "prefill"
 
-    def __init__(self, engine: Engine, connector: Connector, worker_id: str) -> None:
+    def __init__(self, engine: Engine, connector: Connector, worker_id: str, max_unsent: int = 64) -> None:
+        if max_unsent < 1:
+            raise ValueError(f"max_unsent must be >= 1, got {max_unsent}")
         self.engine = engine
         self.connector = connector
         self.worker_id = worker_id
+        self.max_unsent = max_unsent
         self.sink = ConnectorSink(connector)
-        self.live: set[str] = set()
+        self.live: set[str] = set()  # NOTE: ticketed <= live
+        self.ticketed: set[str] = set()  # live requests whose ticket came
+        self.deferred: OrderedDict[str, PrefillRequest] = OrderedDict()  # not in the engine yet, in arrival order
         self._send: Callable[[Any], None] = _unstarted
         # NOTE: a connector that sends whole requests (NCCL) gets them after the forward, which then
         # needs no per-layer hook and may run in a prefill CUDA graph
@@ -64,13 +79,14 @@ class PrefillRole:
 
     def cancel(self, req_id: str) -> None:
         # finished at its first token, or aborted: nothing will be sent for it
-        self.live.discard(req_id)
+        self._end(req_id)
         self.sink.cancel(req_id)
 
     # --- commands ------------------------------------------------------------------------------
     def handle(self, msg: Any) -> bool:
         if isinstance(msg, PrefillRequest):
-            self._prefill(msg)
+            self.deferred[msg.req_id] = msg
+            self._admit()
         elif isinstance(msg, ForwardTicket):
             self._ticket(msg)
         elif isinstance(msg, AbortRequest):
@@ -86,13 +102,25 @@ class PrefillRole:
         try:
             self.engine.add_request(msg.prompt_token_ids, msg.params, request_id=msg.req_id)
         except RequestError as e:
+            self._end(msg.req_id)
+            self.sink.cancel(msg.req_id)  # a ticket that came while it was deferred
             self._refuse(msg.req_id, len(msg.prompt_token_ids), str(e))
             return
         self.live.add(msg.req_id)
 
+    def _admit(self) -> bool:
+        """Deferred requests into the engine, in order, while fewer than `max_unsent` live ones lack
+        a ticket; one whose ticket came goes in regardless. Whether any went in."""
+        admitted = False
+        for req_id in list(self.deferred):
+            if req_id in self.ticketed or len(self.live - self.ticketed) < self.max_unsent:
+                self._prefill(self.deferred.pop(req_id))
+                admitted = True
+        return admitted
+
     def _ticket(self, msg: ForwardTicket) -> None:
         spec = msg.ticket
-        if spec.req_id not in self.live:
+        if spec.req_id not in self.live and spec.req_id not in self.deferred:
             return  # finished at its first token or aborted meanwhile; D's reservation is the router's to drop
         try:
             if isinstance(self.connector, FanoutConnector):
@@ -100,6 +128,10 @@ class PrefillRole:
             self.sink.expect(ticket_of(spec))
         except (ValueError, RuntimeError) as e:  # no pairing with that decode worker, a second ticket
             self._fail(spec.req_id, f"cannot send to decode worker {msg.decode_id}: {e}")
+            return
+        self.ticketed.add(spec.req_id)
+        if spec.req_id in self.deferred:
+            self._admit()
 
     def _refuse(self, req_id: str, prompt_tokens: int, why: str) -> None:
         delta = TokenDelta(req_id, [], "", prompt_tokens, 0, finish_reason="error", error=why)
@@ -113,7 +145,7 @@ class PrefillRole:
         stats = take_stats() if take_stats is not None else {}
         for req_id in sent:
             if req_id in self.live:
-                self.live.discard(req_id)
+                self._end(req_id)
                 st = stats.get(req_id)
                 self._send(TransferReport(self.worker_id, req_id, self.name, True,
                                           st.nbytes if st else 0, st.seconds if st else 0.0))
@@ -122,11 +154,18 @@ class PrefillRole:
                 self._fail(req_id, why)
             elif req_id.startswith("!"):
                 log.warning("prefill worker %s: transfer failure: %s", self.worker_id, why)
-        return bool(sent or failed)
+        admitted = self._admit()
+        return bool(sent or failed or admitted)
+
+    def _end(self, req_id: str) -> None:
+        """`req_id` leaves this role's books (shipped, failed, finished or aborted)."""
+        self.live.discard(req_id)
+        self.ticketed.discard(req_id)
+        self.deferred.pop(req_id, None)
 
     def _fail(self, req_id: str, why: str) -> None:
         log.warning("prefill worker %s: transfer of %s failed: %s", self.worker_id, req_id, why)
-        self.live.discard(req_id)
+        self._end(req_id)
         if self.engine.abort(req_id) is None:
             self.sink.cancel(req_id)
         self._send(TransferReport(self.worker_id, req_id, self.name, False, error=why))
@@ -145,6 +184,11 @@ class PrefillRole:
         """Requests whose prefill is done and whose pages have not all left (waiting for a ticket,
         or in the connector)."""
         return len(self.live - self.engine.requests.keys())
+
+    @property
+    def queued(self) -> int:
+        """Requests deferred by back-pressure (not in the engine yet)."""
+        return len(self.deferred)
 
     def delta(self, out: RequestOutput) -> TokenDelta:
         """The first (and only) delta of a request here carries ALL its text so far: text held back

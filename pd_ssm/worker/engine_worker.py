@@ -181,6 +181,7 @@ class EngineWorker:
         report = load_report(self.engine, self.config.worker_id, seq, self._steps)
         if self.role is not None:
             report.reserved, report.transfers = self.role.reserved, self.role.transfers
+            report.waiting += self.role.queued
         self.to_router.send(report)
 
     def _report_fatal(self, e: BaseException) -> None:

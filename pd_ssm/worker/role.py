@@ -11,7 +11,8 @@ Contract, all calls on the loop's one thread:
 - `progress()` once per loop iteration: move transfers on; True when pages were freed or taken
   (the loop then sends a LoadReport at once, so the router's view of the pools stays current).
 - `pending()`: transfers are in flight, so the loop must not sleep on its command socket.
-- `reserved` / `transfers`: counts for the LoadReport.
+- `reserved` / `transfers` / `queued`: counts for the LoadReport (`queued`: requests the role
+  holds back from the engine, counted as waiting).
 - `delta(out)`: the TokenDelta of one step output (the role decides what text it carries).
 """
 
@@ -40,6 +41,9 @@ class WorkerRole(Protocol):
 
     @property
     def transfers(self) -> int: ...
+
+    @property
+    def queued(self) -> int: ...
 
     def delta(self, out: RequestOutput) -> TokenDelta: ...
 
