@@ -85,8 +85,11 @@ class PrefillRole:
     # --- commands ------------------------------------------------------------------------------
     def handle(self, msg: Any) -> bool:
         if isinstance(msg, PrefillRequest):
-            self.deferred[msg.req_id] = msg
-            self._admit()
+            if msg.req_id in self.deferred or msg.req_id in self.live:
+                self._refuse(msg.req_id, len(msg.prompt_token_ids), f"request id {msg.req_id!r} is already here")
+            else:
+                self.deferred[msg.req_id] = msg
+                self._admit()
         elif isinstance(msg, ForwardTicket):
             self._ticket(msg)
         elif isinstance(msg, AbortRequest):

@@ -96,6 +96,10 @@ def test_max_unsent_defers_admits_ticketed_first_and_keeps_the_tokens(model_dir:
         # two in the engine, four held back (a few hundred bytes each, on the host)
         assert set(prefill.engine.requests) == {"r0", "r1"} and list(prefill.deferred) == ["r2", "r3", "r4", "r5"]
         assert prefill.queued == 4
+        prefill.handle(PrefillRequest("r3", prompts[3], params))  # a second one of that id is refused
+        (refusal,) = [m for m in to_router if not isinstance(m, ReserveReply)]
+        assert refusal.deltas[0].req_id == "r3" and "already here" in refusal.deltas[0].error
+        to_router.clear()
         until(lambda: not prefill.engine.has_unfinished(), "r0, r1 prefilled")
         assert prefill.sink.num_waiting == 2 and len(prefill.deferred) == 4  # no ticket: nothing more goes in
 
