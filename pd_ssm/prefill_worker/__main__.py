@@ -42,10 +42,6 @@ def make_role(args: argparse.Namespace, engine: Engine, worker_id: str) -> Prefi
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser("python -m pd_ssm.prefill_worker", __doc__)
     add_transfer_flags(p)
-    p.add_argument("--max-unsent", type=int, default=64,
-                   help="requests without a decode worker's ticket this worker holds at most; past it, new "
-                        "prefill requests wait on its host, so that their state pages do not pile up on the "
-                        "GPU while every decode worker is full")
     return run(p.parse_args(argv), make_role)
 
 

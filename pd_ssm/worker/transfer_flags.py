@@ -19,6 +19,10 @@ def add_transfer_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds: NCCL pairing and p2p ops; reservations expire after it as well")
     p.add_argument("--send-timeout", type=float, default=5.0,
                    help="seconds a message may wait for its peer to accept it before the transfer fails")
+    p.add_argument("--max-unsent", type=int, default=64,
+                   help="prefill workers: requests without a decode worker's ticket held at most; past it, new "
+                        "prefill requests wait on the host, so their state pages do not pile up on the GPU "
+                        "while every decode worker is full")
 
 
 def cluster_token() -> str:
