@@ -199,10 +199,11 @@ def _as_dict(m: RunMeta) -> dict[str, Any]:
 def _place(buf: torch.Tensor, host: np.ndarray | None, metas: tuple[RunMeta, ...], sources: list[_Source],
            outs: list[torch.Tensor], srcs: list[torch.Tensor], gaps: list[torch.Tensor]) -> None:
     """Each run's place in `buf` and its source into `outs` / `srcs` (a stacked tensor on the
-    buffer's device), or the run copied or stacked into its place at once (otherwise); the gap behind each run into `gaps` (the
-    gap is summed: both sides must see zeros). `host`: the buffer's numpy view on the CPU, whose
-    gaps are zeroed here: a small fill through torch costs milliseconds on a busy machine (its
-    thread pool wakes up for 64 KiB) and numpy's memset does not."""
+    buffer's device), or the run copied or stacked into its place at once (otherwise); the gap
+    behind each run into `gaps` (the gap is summed: both sides must see zeros). `host`: the
+    buffer's numpy view on the CPU, whose gaps are zeroed here: a small fill through torch costs
+    milliseconds on a busy machine (its thread pool wakes up for 64 KiB) and numpy's memset does
+    not."""
     for m, source in zip(metas, sources, strict=True):
         start, n = m.offset, m.nbytes
         if n:
