@@ -56,8 +56,8 @@ class PrefillRole:
         self.worker_id = worker_id
         self.max_unsent = max_unsent
         self.sink = ConnectorSink(connector)
-        self.live: set[str] = set()  # NOTE: ticketed <= live
-        self.ticketed: set[str] = set()  # live requests whose ticket came
+        self.live: set[str] = set()  # in the engine or shipping: from admission to its end
+        self.ticketed: set[str] = set()  # live or deferred requests whose ticket came
         self.deferred: OrderedDict[str, PrefillRequest] = OrderedDict()  # not in the engine yet, in arrival order
         self._send: Callable[[Any], None] = _unstarted
         # NOTE: a connector that sends whole requests (NCCL) gets them after the forward, which then
@@ -114,11 +114,17 @@ class PrefillRole:
     def _admit(self) -> bool:
         """Deferred requests into the engine, in order, while fewer than `max_unsent` live ones lack
         a ticket; one whose ticket came goes in regardless. Whether any went in."""
+        room = self.max_unsent - len(self.live - self.ticketed)
+        if room <= 0 and self.ticketed.isdisjoint(self.deferred):
+            return False  # NOTE: the common case under back-pressure, once per loop turn: no scan
         admitted = False
         for req_id in list(self.deferred):
-            if req_id in self.ticketed or len(self.live - self.ticketed) < self.max_unsent:
-                self._prefill(self.deferred.pop(req_id))
-                admitted = True
+            if req_id not in self.ticketed:
+                if room <= 0:
+                    continue  # keeps its place in line
+                room -= 1
+            self._prefill(self.deferred.pop(req_id))
+            admitted = True
         return admitted
 
     def _ticket(self, msg: ForwardTicket) -> None:
