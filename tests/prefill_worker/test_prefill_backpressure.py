@@ -25,16 +25,11 @@ from pd_ssm.control.disagg_messages import (
     TransferReport,
 )
 from pd_ssm.control.messages import AbortRequest
-from pd_ssm.decode_worker.receivers import Receiver, Receivers
-from pd_ssm.decode_worker.role import DecodeRole
 from pd_ssm.default_model import write_checkpoint
-from pd_ssm.engine.engine import Engine
 from pd_ssm.prefill_worker.role import PrefillRole
-from pd_ssm.state_transfer.reservations import ReservationTable
 from pd_ssm.state_transfer.zmq_connector import ZmqConfig, ZmqConnector
 from pd_ssm.worker.engine_worker import delta_from_output
-
-TOKEN = "backpressure-token"
+from tests.decode_worker.test_disagg_roles import TOKEN, _clean, _decode_role, _engine
 
 
 @pytest.fixture(scope="module")
@@ -42,19 +37,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny")
     write_checkpoint(path)
     return path
-
-
-def _engine(model_dir: Path, slots: int) -> Engine:
-    return LLM(model=str(model_dir), max_num_seqs=slots, num_kv_blocks=64, block_size=16).engine
-
-
-def _decode_role(engine: Engine) -> DecodeRole:
-    def make(table: ReservationTable) -> Receiver:
-        c = ZmqConnector(ZmqConfig(TOKEN), bind="tcp://127.0.0.1:0", reservations=table)
-        assert c.address is not None
-        return Receiver(c, c.address, "")
-
-    return DecodeRole(engine, Receivers(make, ReservationTable(30.0, TOKEN), per_prefill=False), "d0")
 
 
 def test_max_unsent_defers_admits_ticketed_first_and_keeps_the_tokens(model_dir: Path) -> None:
@@ -66,7 +48,7 @@ def test_max_unsent_defers_admits_ticketed_first_and_keeps_the_tokens(model_dir:
         LLM(model=str(model_dir), max_num_seqs=8, num_kv_blocks=64, block_size=16).generate(prompts, params))}
     to_router: list[Any] = []
     prefill = PrefillRole(_engine(model_dir, 8), ZmqConnector(ZmqConfig(TOKEN)), "p0", max_unsent=2)
-    decode = _decode_role(_engine(model_dir, 8))
+    decode = _decode_role(_engine(model_dir, 8), ttl=30.0)
     prefill.start(to_router.append)
     decode.start(to_router.append)
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
@@ -128,10 +110,7 @@ def test_max_unsent_defers_admits_ticketed_first_and_keeps_the_tokens(model_dir:
         reports = [m for m in to_router if isinstance(m, TransferReport)]
         assert all(r.ok for r in reports)
         assert sorted(r.req_id for r in reports if r.role == "prefill") == sorted(done)
-        for role in (prefill, decode):
-            cache = role.engine.cache
-            cache.check()
-            assert cache.num_used_slots == 0 and cache.num_used_blocks == 0
+        assert _clean(prefill.engine) and _clean(decode.engine)
         assert not prefill.live and not prefill.ticketed and not prefill.deferred and prefill.transfers == 0
     finally:
         prefill.close()
