@@ -19,6 +19,7 @@ from torch import Tensor
 
 from pd_ssm.kernels.conv1d import _check_conv_args
 from pd_ssm.kernels.conv1d_triton_varlen import _on_device, _silu_in
+from pd_ssm.kernels.pdl import pdl_gate, use_pdl
 
 
 @triton.jit
@@ -31,14 +32,15 @@ def _conv_update_kernel(
     stride_x_b, stride_w_d, stride_w_k, stride_out_b,
     # meta-parameters
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, FAST_EXP: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     # NOTE: channel blocks are the fast grid axis: programs resident together cover one slot's
     # contiguous dim * (W-1) state block rather than small pieces of many slots
     offs_d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] channel
     b = tl.program_id(1).to(tl.int64)
     d_ok = offs_d < dim
-    xv = tl.load(x_ptr + b * stride_x_b + offs_d, mask=d_ok, other=0.0)  # [BLOCK_D]
+    # before the PDL gate (pdl.py): everything but x, which the launch before this one writes;
+    # the pool row was last written by this layer's previous step
     w_row = w_ptr + offs_d * stride_w_d  # [BLOCK_D]
     w_last = tl.load(w_row + (WIDTH - 1) * stride_w_k, mask=d_ok, other=0.0)
     slot = tl.load(slot_ptr + b)
@@ -49,12 +51,16 @@ def _conv_update_kernel(
     # window = history (oldest first) ++ x; tap k < width-1 reads state column k, the last tap x
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for k in tl.static_range(WIDTH - 1):
-        hk = tl.load(row + k, mask=st_ok, other=0.0).to(xv.dtype)
+        hk = tl.load(row + k, mask=st_ok, other=0.0).to(out_ptr.dtype.element_ty)
         wk = tl.load(w_row + k * stride_w_k, mask=d_ok, other=0.0)
         acc += hk.to(tl.float32) * wk.to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    pdl_gate(PDL)
+    xv = tl.load(x_ptr + b * stride_x_b + offs_d, mask=d_ok, other=0.0)  # [BLOCK_D]
     acc += xv.to(tl.float32) * w_last.to(tl.float32)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        acc += bias
     y = acc.to(out_ptr.dtype.element_ty)
     if SILU:
         y = _silu_in(y, out_ptr.dtype.element_ty, FAST_EXP)
@@ -126,13 +132,14 @@ def launch_conv_update(
     # NOTE: a channel held by two threads would race (one thread's shift overwrites a column the
     # other has yet to read), so the block never has fewer channels than threads
     num_warps = max(1, min(tile.num_warps, block_d // 32))
+    pdl = use_pdl(x)
     with _on_device(x):
         _conv_update_kernel[(triton.cdiv(dim, block_d), B)](
             x, weight, bias, conv_state, state_indices.contiguous(), out,
             dim,
             x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
             WIDTH=weight.shape[1], HAS_BIAS=bias is not None, SILU=activation == "silu", FAST_EXP=x.is_cuda,
-            BLOCK_D=block_d,
-            num_warps=num_warps,
+            BLOCK_D=block_d, PDL=pdl,
+            num_warps=num_warps, launch_pdl=pdl,
         )
     return out

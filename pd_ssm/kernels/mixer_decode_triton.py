@@ -23,6 +23,7 @@ from torch import Tensor
 from pd_ssm.kernels.conv1d import _check_conv_args
 from pd_ssm.kernels.conv1d_triton_update import default_update_tile, launch_conv_update
 from pd_ssm.kernels.mixer_decode import check_mixer_decode_args
+from pd_ssm.kernels.pdl import pdl_gate, use_pdl
 from pd_ssm.kernels.rmsnorm import GatedSquares
 from pd_ssm.kernels.ssu import check_ssu_args
 from pd_ssm.kernels.ssu_triton import SSUConfig, _on_device, _softplus
@@ -39,6 +40,7 @@ def _gated_ssu_kernel(
     stride_proj_b, stride_xbc_b, stride_state_slot, stride_state_head, stride_g_b, stride_sq_b,
     # meta-parameters
     HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
@@ -51,23 +53,19 @@ def _gated_ssu_kernel(
     g_ptrs = g_ptr + b * stride_g_b + c_x
     sq_out = sq_ptr + b * stride_sq_b + h * tl.num_programs(0) + pid_p
     slot = tl.load(slot_ptr + b).to(tl.int64)
-    if slot < 0:  # CUDA-graph padding: touch no state
-        tl.store(g_ptrs, tl.zeros([BLOCK_P], dtype=g_ptr.dtype.element_ty), mask=p_ok)
-        tl.store(sq_out, 0.0)
-        return
-    state_ptrs = (state_ptr + slot * stride_state_slot + h * stride_state_head
+    live = slot >= 0  # a negative slot is CUDA-graph padding: touch no state, write zeros
+    state_ptrs = (state_ptr + tl.maximum(slot, 0) * stride_state_slot + h * stride_state_head
                   + offs_p[:, None] * dstate + offs_n[None, :])  # [BLOCK_P, BLOCK_N]
-    tile_ok = p_ok[:, None] & n_ok[None, :]
+    tile_ok = p_ok[:, None] & n_ok[None, :] & live
     # NOTE: issue the big load first and every small one right after, before any arithmetic: a
     # program streams only a few KB, so each load issued late adds its latency to the program's
-    # life (the gate's z and weight loaded after y cost ~9 us a layer at batch 32, H200)
+    # life (the gate's z and weight loaded after y cost ~9 us a layer at batch 32, H200).
+    # Before the PDL gate (pdl.py) everything but the conv's output xbc: the state was last written
+    # by this layer's previous step, z and dt by in_proj, the launch before the conv's
     state = tl.load(state_ptrs, mask=tile_ok, other=0.0).to(tl.float32)
     proj_row = proj_ptr + b * stride_proj_b
     xbc_row = xbc_ptr + b * stride_xbc_b
     c_B = (h // heads_per_group) * dstate + offs_n  # [BLOCK_N] channel of B in x | B | C, less d_inner
-    xv = tl.load(xbc_row + c_x, mask=p_ok, other=0.0).to(tl.float32)
-    Bv = tl.load(xbc_row + d_inner + c_B, mask=n_ok, other=0.0).to(tl.float32)
-    Cv = tl.load(xbc_row + d_inner + gn + c_B, mask=n_ok, other=0.0).to(tl.float32)
     dt = tl.load(proj_row + d_inner + conv_dim + h).to(tl.float32)
     zv = tl.load(proj_row + c_x, mask=p_ok, other=0.0).to(tl.float32)
     w = tl.load(norm_w_ptr + c_x, mask=p_ok, other=0.0).to(tl.float32)
@@ -76,6 +74,14 @@ def _gated_ssu_kernel(
         dt += tl.load(dt_bias_ptr + h).to(tl.float32)
     if HAS_D:
         Dh = tl.load(D_ptr + h).to(tl.float32)
+    pdl_gate(PDL)
+    if not live:
+        tl.store(g_ptrs, tl.zeros([BLOCK_P], dtype=g_ptr.dtype.element_ty), mask=p_ok)
+        tl.store(sq_out, 0.0)
+        return
+    xv = tl.load(xbc_row + c_x, mask=p_ok, other=0.0).to(tl.float32)
+    Bv = tl.load(xbc_row + d_inner + c_B, mask=n_ok, other=0.0).to(tl.float32)
+    Cv = tl.load(xbc_row + d_inner + gn + c_B, mask=n_ok, other=0.0).to(tl.float32)
 
     dt = _softplus(dt)  # no clamp at decode (layers/mixer2.py)
     dA = tl.exp(dt * A)
@@ -147,6 +153,9 @@ def launch_decode_step(
         return GatedSquares(g, sq)
     xbc = launch_conv_update(proj[:, d_inner:d_inner + conv_dim], conv_state, conv_weight, conv_bias,
                              state_indices, "silu", default_update_tile(Bt))  # [B, conv_dim]: x | B | C
+    # NOTE: under PDL the kernel reads z and dt (proj) before its gate: safe because the conv launch
+    # sits between it and in_proj, which wrote proj (pdl.py, contracts 1 and 3)
+    pdl = use_pdl(proj)
     with _on_device(proj):
         _gated_ssu_kernel[(p_tiles, H, Bt)](
             proj, xbc, ssm_state, A.contiguous(),
@@ -155,6 +164,6 @@ def launch_decode_step(
             P, N, H // ngroups, d_inner, conv_dim, ngroups * N,
             proj.stride(0), xbc.stride(0), ssm_state.stride(0), ssm_state.stride(1), g.stride(0), sq.stride(0),
             HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, BLOCK_P=cfg.block_p,
-            BLOCK_N=triton.next_power_of_2(N), num_warps=cfg.num_warps,
+            BLOCK_N=triton.next_power_of_2(N), PDL=pdl, num_warps=cfg.num_warps, launch_pdl=pdl,
         )
     return GatedSquares(g, sq)

@@ -23,6 +23,7 @@ from torch import Tensor
 from pd_ssm.kernels._checks import (
     check_same_device,
 )
+from pd_ssm.kernels.pdl import pdl_gate, use_pdl
 from pd_ssm.kernels.rmsnorm import (
     AddNormOutput,
     GatedSquares,
@@ -74,9 +75,10 @@ def _rms_norm_kernel(
     stride_x_t, stride_g_t, stride_out_t,
     # meta-parameters
     GATED: tl.constexpr, WEIGHT_FP32: tl.constexpr, DEFER: tl.constexpr, BLOCK: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr, PDL: tl.constexpr,
 ):
     # DEFER (one group per row): store the sum of squares to sq[row] and leave the scale out (r = 1)
+    pdl_gate(PDL)  # nothing worth loading before it: x is the previous launch's output (pdl.py)
     row = tl.program_id(0).to(tl.int64)
     base = tl.program_id(1) * group_size  # first feature of this group
     x_row = x_ptr + row * stride_x_t + base
@@ -120,6 +122,7 @@ def _launch(x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, group_si
     if T == 0:
         return out
     block = min(triton.next_power_of_2(group_size), MAX_BLOCK)
+    pdl = use_pdl(x)
     with _on_device(x):
         _rms_norm_kernel[(T, d // group_size)](
             # NOTE: x stands in for no gate and out for no sq, unread / unwritten
@@ -127,7 +130,8 @@ def _launch(x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, group_si
             group_size, float(eps),
             x.stride(0), x.stride(0) if gate is None else gate.stride(0), out.stride(0),
             GATED=gate is not None, WEIGHT_FP32=weight_in_fp32, DEFER=sq is not None, BLOCK=block,
-            NUM_CHUNKS=triton.cdiv(group_size, block), num_warps=min(16, max(1, block // 512)),
+            NUM_CHUNKS=triton.cdiv(group_size, block), PDL=pdl, num_warps=min(16, max(1, block // 512)),
+            launch_pdl=pdl,
         )
     return out
 
@@ -201,8 +205,11 @@ def _add_rms_norm_kernel(
     stride_x_t, stride_res_t, stride_out_t, stride_res_out_t, stride_sq_t,
     # meta-parameters
     HAS_X: tl.constexpr, HAS_X_RMS: tl.constexpr, WEIGHT_FP32: tl.constexpr, BLOCK: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr, BLOCK_SQ: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr, BLOCK_SQ: tl.constexpr, PDL: tl.constexpr,
 ):
+    # NOTE: the PDL gate comes before any load: the residual may be the previous launch's output
+    # too (the embedding's, before the first block), and a row is little to load early
+    pdl_gate(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x_t
     res_row = res_ptr + row * stride_res_t
@@ -250,6 +257,8 @@ def add_rms_norm_triton(x: Tensor | None, residual: Tensor, weight: Tensor, eps:
     if T == 0:
         return AddNormOutput(out, res_out)
     block = min(triton.next_power_of_2(d), MAX_BLOCK)
+    pdl = use_pdl(residual)
+    num_warps = min(16, max(1, block // 512))
     with _on_device(residual):
         _add_rms_norm_kernel[(T,)](
             # NOTE: no x (no x_rms): residual (out) stands in, unread
@@ -262,6 +271,6 @@ def add_rms_norm_triton(x: Tensor | None, residual: Tensor, weight: Tensor, eps:
             HAS_X=x is not None, HAS_X_RMS=x_rms is not None, WEIGHT_FP32=weight_in_fp32, BLOCK=block,
             NUM_CHUNKS=triton.cdiv(d, block),
             BLOCK_SQ=1 if x_rms is None else triton.next_power_of_2(x_rms.sq.shape[1]),
-            num_warps=min(16, max(1, block // 512)),
+            PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
         )
     return AddNormOutput(out, res_out)

@@ -24,6 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from pd_ssm.kernels.linear import linear_ref
+from pd_ssm.kernels.pdl import pdl_gate, use_pdl
 
 MAX_ROWS = 256  # more rows than this: a real GEMM (cuBLAS) is the better tool
 
@@ -34,6 +35,7 @@ class LinearTile(NamedTuple):
     num_warps: int
     num_stages: int
     split_k: int = 1  # DOT path: K split over this many programs, fp32 partials summed by a second launch
+    prefetch_k: int = 0  # FMA path under PDL: weight columns loaded before waiting for x (a multiple of block_k)
 
 
 # NOTE: the fastest of benchmarks/linear_gpu.py's sweep on an H200 (RESULTS.md, 2026-11-30): one row,
@@ -64,20 +66,35 @@ def _skinny_fma_kernel(
     stride_xm, stride_wn, stride_ym,
     # meta-parameters
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr, PRE_K: tl.constexpr,
 ):
+    """PRE_K > 0 (a multiple of BLOCK_K): the weights of the first PRE_K columns are loaded into
+    registers before the PDL gate, i.e. while the launch before this one (which writes x) still
+    runs (pdl.py)."""
     pid_n = tl.program_id(0)
     m = tl.program_id(1)  # one row per program along axis 1: W is re-read from L2 per row
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_ok = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    y = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if PRE_K > 0:
+        offs_pk = tl.arange(0, PRE_K)  # [PRE_K]
+        pk_ok = offs_pk < K
+        w_pre = tl.load(w_rows + offs_pk[None, :], mask=n_ok[:, None] & pk_ok[None, :], other=0.0)  # [BLOCK_N, PRE_K]
+        pdl_gate(PDL)
+        x_pre = tl.load(x_row + offs_pk, mask=pk_ok, other=0.0)  # [PRE_K]
+        y = tl.sum(w_pre.to(tl.float32) * x_pre.to(tl.float32)[None, :], axis=1)
+    else:
+        pdl_gate(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(PRE_K, K, BLOCK_K, num_stages=NUM_STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         k_ok = offs_k < K
-        w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        xv = tl.load(x_ptr + m.to(tl.int64) * stride_xm + offs_k, mask=k_ok, other=0.0)  # [BLOCK_K]
+        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        xv = tl.load(x_row + offs_k, mask=k_ok, other=0.0)  # [BLOCK_K]
         acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)  # [BLOCK_N]
+    y += tl.sum(acc, axis=1)  # [BLOCK_N]
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
@@ -174,11 +191,15 @@ def skinny_linear_triton(
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)  # [M, N]
     interpreted = not x.is_cuda
     if M <= FMA_MAX_ROWS:
+        pdl = use_pdl(x)
         t = tile or (FMA_TILE_NARROW if N <= 4096 else FMA_TILE)
+        if t.prefetch_k % t.block_k or t.prefetch_k & (t.prefetch_k - 1):
+            raise ValueError(f"skinny_linear: prefetch_k must be 0 or a power of two multiple of block_k "
+                             f"({t.block_k}), got {t.prefetch_k}")
         _skinny_fma_kernel[(triton.cdiv(N, t.block_n), M)](
             x, weight, bias, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, BLOCK_N=t.block_n, BLOCK_K=t.block_k, NUM_STAGES=t.num_stages,
-            num_warps=t.num_warps,
+            PDL=pdl, PRE_K=t.prefetch_k, num_warps=t.num_warps, launch_pdl=pdl,
         )
     else:
         t = tile or DOT_TILE

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pd_ssm.kernels.pdl import pdl_gate, use_pdl
 from pd_ssm.kernels.ssd import NO_DT_LIMIT
 from pd_ssm.kernels.ssu import check_ssu_args
 
@@ -71,6 +72,7 @@ def _ssu_kernel(
     # meta-parameters
     HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
     SLOT_MAJOR: tl.constexpr, EVICT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     if SLOT_MAJOR:
@@ -85,34 +87,42 @@ def _ssu_kernel(
     n_ok = offs_n < dstate
     out_ptrs = out_ptr + b * stride_out_b + h * stride_out_h + offs_p
     slot = tl.load(slot_ptr + b).to(tl.int64)
-    if slot < 0:  # CUDA-graph padding: touch no state
+    live = slot >= 0  # a negative slot is CUDA-graph padding: touch no state, y = 0
+    state_ptrs = (state_ptr + tl.maximum(slot, 0) * stride_state_slot + h * stride_state_head
+                  + offs_p[:, None] * dstate + offs_n[None, :])  # [BLOCK_P, BLOCK_N]
+    tile_ok = p_ok[:, None] & n_ok[None, :] & live
+    # NOTE: issue the big load first; the small operands below hide behind it. Before the PDL
+    # gate (pdl.py): the state (last written by this layer's previous step) and the parameters
+    state = tl.load(state_ptrs, mask=tile_ok, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    A = tl.load(A_ptr + h)
+    if HAS_DT_BIAS:
+        dt_b = tl.load(dt_bias_ptr + h).to(tl.float32)
+    if HAS_D:
+        Dh = tl.load(D_ptr + h).to(tl.float32)
+    pdl_gate(PDL)
+    if not live:
         tl.store(out_ptrs, tl.zeros([BLOCK_P], dtype=out_ptr.dtype.element_ty), mask=p_ok)
         return
-    state_ptrs = (state_ptr + slot * stride_state_slot + h * stride_state_head
-                  + offs_p[:, None] * dstate + offs_n[None, :])  # [BLOCK_P, BLOCK_N]
-    tile_ok = p_ok[:, None] & n_ok[None, :]
-    # NOTE: issue the big load first; the small operands below hide behind it
-    state = tl.load(state_ptrs, mask=tile_ok, other=0.0, eviction_policy=EVICT).to(tl.float32)
 
     dt = tl.load(dt_ptr + b * stride_dt_b + h * stride_dt_h).to(tl.float32)
-    if HAS_DT_BIAS:
-        dt += tl.load(dt_bias_ptr + h).to(tl.float32)
-    if DT_SOFTPLUS:
-        dt = _softplus(dt)
-    if HAS_DT_LIMIT:
-        dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)
-    dA = tl.exp(dt * tl.load(A_ptr + h))
     g = h // heads_per_group
     Bv = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     Cv = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     xv = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + offs_p, mask=p_ok, other=0.0).to(tl.float32)
+    if HAS_DT_BIAS:
+        dt += dt_b
+    if DT_SOFTPLUS:
+        dt = _softplus(dt)
+    if HAS_DT_LIMIT:
+        dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)
+    dA = tl.exp(dt * A)
 
     # (dt * B) first, then times x: the reference's order
     state = state * dA + (dt * Bv)[None, :] * xv[:, None]  # [BLOCK_P, BLOCK_N] fp32
     tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok)
     y = tl.sum(state * Cv[None, :], axis=1)  # [BLOCK_P]
     if HAS_D:
-        y += xv * tl.load(D_ptr + h).to(tl.float32)
+        y += xv * Dh
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=p_ok)
 
 
@@ -162,6 +172,7 @@ def launch_ssu(
     if Bt == 0:
         return out
     lo, hi = float(dt_limit[0]), float(dt_limit[1])
+    pdl = use_pdl(x)
     with _on_device(x):
         p_tiles = triton.cdiv(P, cfg.block_p)
         grid = (p_tiles, H, Bt) if cfg.slot_major else (p_tiles, Bt, H)
@@ -176,6 +187,6 @@ def launch_ssu(
             HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
             HAS_DT_LIMIT=(lo, hi) != NO_DT_LIMIT, SLOT_MAJOR=cfg.slot_major,
             EVICT="evict_first" if cfg.evict_first else "", BLOCK_P=cfg.block_p,
-            BLOCK_N=triton.next_power_of_2(N), num_warps=cfg.num_warps,
+            BLOCK_N=triton.next_power_of_2(N), PDL=pdl, num_warps=cfg.num_warps, launch_pdl=pdl,
         )
     return out

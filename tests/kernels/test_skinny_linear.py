@@ -26,6 +26,19 @@ def test_matches_reference(rows: int, bias: bool) -> None:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("prefetch_k", [16, 32, 128])
+def test_weights_loaded_before_the_gate(prefetch_k: int) -> None:
+    """The FMA path with its first prefetch_k weight columns loaded up front (PDL), including more
+    than K (the loop then has nothing left): the same result."""
+    g = torch.Generator().manual_seed(prefetch_k)
+    x, w, b = torch.randn(1, 70, generator=g), torch.randn(37, 70, generator=g), torch.randn(37, generator=g)
+    x, w, b = x.to(DEVICE), w.to(DEVICE), b.to(DEVICE)
+    got = skinny_linear_triton(x, w, b, tile=LinearTile(8, 16, 4, 2, prefetch_k=prefetch_k))
+    torch.testing.assert_close(got, skinny_linear_ref(x, w, b), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="prefetch_k"):
+        skinny_linear_triton(x, w, b, tile=LinearTile(8, 16, 4, 2, prefetch_k=prefetch_k + 8))
+
+
 def test_bad_shapes_are_refused() -> None:
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="weight"):

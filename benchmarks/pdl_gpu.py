@@ -1,0 +1,200 @@
+"""A batch-1 decode step's per-layer kernel chain in one CUDA graph, with and without programmatic
+dependent launch (kernels/pdl.py), and how many weight columns the GEMVs load before their gate.
+
+Mamba2-2.7B shape (d_model 2560, 80 heads x 64, dstate 128, one group, conv width 4), bf16, fp32
+state, one sequence. Per layer, on that layer's own weights and pools (64 layers: 5.4 GB of weights,
+far past L2), the launches a deferred-norm Mamba2 block makes at batch 1:
+
+  add_rms_norm (residual add, the previous block's deferred scale) -> in_proj GEMV [10576 x 2560]
+  -> conv update -> state update + gate + squares -> out_proj GEMV [2560 x 5120]
+
+Variants: PD_SSM_PDL=0 (every launch waits for the last to complete), PDL with the gate first in
+every kernel, and PDL with the in_proj / out_proj GEMVs loading their first PRE_K weight columns
+into registers before the gate (pre_in / pre_out). µs per layer (median of 7 replays), the bytes
+that must move (weights + state read and written) over that time, and whether the output equals
+the no-PDL chain's (to the bit when the arithmetic is the same; close when a prefetch changes the
+order of the K sum).
+
+Then the step at 32 and 128 rows, where Mamba2 blocks run the three-kernel path between cuBLAS
+projections (layers/mixer2.py, DEFER_BELOW_DECODE_ROWS): norm, in_proj, conv, state update, gated
+norm, out_proj, with PD_SSM_PDL=0 and 1 alternately, twice each.
+
+    python benchmarks/pdl_gpu.py      (CUDA only; JSON to $OUT/pdl.json)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from benchmarks.linear_gpu import graph_time_us
+from pd_ssm.kernels.conv1d_triton import causal_conv1d_update_triton
+from pd_ssm.kernels.mixer_decode_triton import default_config, launch_decode_step
+from pd_ssm.kernels.rmsnorm import RowRms
+from pd_ssm.kernels.rmsnorm_triton import add_rms_norm_triton, rms_norm_gated_triton
+from pd_ssm.kernels.skinny_linear_triton import FMA_TILE, FMA_TILE_NARROW, LinearTile, skinny_linear_triton
+from pd_ssm.kernels.ssu_triton import selective_state_update_triton
+
+HID, H, P, N, G, W = 2560, 80, 64, 128, 1, 4
+D_INNER, CONV_DIM = H * P, H * P + 2 * G * N
+PROJ = D_INNER + CONV_DIM + H
+EPS = 1e-5
+
+
+class Chain:
+    """L layers' weights and pools, and the whole chain over them."""
+
+    def __init__(self, L: int, dev: torch.device) -> None:
+        def r(*shape: int, scale: float = 1.0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+            return (torch.randn(*shape, device=dev) * scale).to(dtype)
+
+        self.L = L
+        self.w_in = [r(PROJ, HID, scale=HID ** -0.5) for _ in range(L)]
+        self.w_out = [r(HID, D_INNER, scale=D_INNER ** -0.5) for _ in range(L)]
+        self.norm_w = [1 + r(HID, scale=0.1) for _ in range(L)]
+        self.conv = [r(1, CONV_DIM, W - 1) for _ in range(L)]
+        self.ssm = [r(1, H, P, N, scale=0.1, dtype=torch.float32) for _ in range(L)]
+        self.snap = [(c.clone(), s.clone()) for c, s in zip(self.conv, self.ssm, strict=True)]
+        self.cw, self.cb = r(CONV_DIM, W, scale=0.5), r(CONV_DIM, scale=0.1)
+        self.A = -torch.rand(H, device=dev) - 0.5
+        self.D, self.dt_bias = r(H, dtype=torch.float32), r(H, scale=0.5, dtype=torch.float32)
+        self.gate_w = 1 + r(D_INNER, scale=0.1)
+        self.slots = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.residual = r(1, HID)
+        self.delta = r(1, HID)
+        self.sq = torch.rand(1, H, device=dev) * D_INNER
+        self.cfg = default_config(1, P, N, torch.float32)
+
+    def restore(self) -> None:
+        for (c0, s0), c, s in zip(self.snap, self.conv, self.ssm, strict=True):
+            c.copy_(c0)
+            s.copy_(s0)
+
+    def run(self, v: Variant, _: int = 0) -> torch.Tensor:
+        delta, residual, x_rms = self.delta, self.residual, RowRms(self.sq, D_INNER, EPS)
+        for i in range(self.L):
+            normed, residual = add_rms_norm_triton(delta, residual, self.norm_w[i], EPS, residual_dtype=torch.bfloat16,
+                                                   x_rms=x_rms)
+            proj = skinny_linear_triton(normed, self.w_in[i], tile=v.tiles[0])
+            gs = launch_decode_step(proj, self.conv[i], self.cw, self.cb, self.ssm[i], self.A, self.D,
+                                    self.dt_bias, self.gate_w, self.slots, G, self.cfg)
+            delta = skinny_linear_triton(gs.g, self.w_out[i], tile=v.tiles[1])
+            x_rms = RowRms(gs.sq, D_INNER, EPS)
+        return torch.cat([delta, residual])
+
+
+class Variant(NamedTuple):
+    name: str
+    pdl: bool
+    tiles: tuple[LinearTile, LinearTile] = (FMA_TILE, FMA_TILE_NARROW)
+
+
+def variants() -> list[Variant]:
+    def t(pre_in: int, pre_out: int) -> tuple[LinearTile, LinearTile]:
+        return (FMA_TILE._replace(prefetch_k=pre_in), FMA_TILE_NARROW._replace(prefetch_k=pre_out))
+
+    out = [Variant("no PDL", False, t(0, 0))]
+    for rep in ("", " (again)"):
+        out.append(Variant("PDL" + rep, True, t(0, 0)))
+        for pre_in, pre_out in ((0, 1024), (0, 2048), (512, 2048), (1024, 2048), (1024, 0)):
+            out.append(Variant(f"PDL, registers {pre_in}/{pre_out}{rep}", True, t(pre_in, pre_out)))
+    out.append(Variant("no PDL (again)", False, t(0, 0)))
+    return out
+
+
+class Wide:
+    """The step at 32 / 128 rows: the three-kernel path between cuBLAS projections (DEFER_BELOW_DECODE_ROWS)."""
+
+    def __init__(self, batch: int, L: int, dev: torch.device) -> None:
+        def r(*shape: int, scale: float = 1.0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+            return (torch.randn(*shape, device=dev) * scale).to(dtype)
+
+        self.batch, self.L = batch, L
+        self.w_in = [r(PROJ, HID, scale=HID ** -0.5) for _ in range(L)]
+        self.w_out = [r(HID, D_INNER, scale=D_INNER ** -0.5) for _ in range(L)]
+        self.norm_w = 1 + r(HID, scale=0.1)
+        self.conv = [r(batch, CONV_DIM, W - 1) for _ in range(L)]
+        self.ssm = [r(batch, H, P, N, scale=0.1, dtype=torch.float32) for _ in range(L)]
+        self.cw, self.cb = r(CONV_DIM, W, scale=0.5), r(CONV_DIM, scale=0.1)
+        self.A = -torch.rand(H, device=dev) - 0.5
+        self.D, self.dt_bias = r(H, dtype=torch.float32), r(H, scale=0.5, dtype=torch.float32)
+        self.gate_w = 1 + r(D_INNER, scale=0.1)
+        self.snap = [(c.clone(), s.clone()) for c, s in zip(self.conv, self.ssm, strict=True)]
+        self.slots = torch.randperm(batch, device=dev).to(torch.int32)
+        self.residual, self.delta = r(batch, HID), r(batch, HID)
+
+    def restore(self) -> None:
+        for (c0, s0), c, s in zip(self.snap, self.conv, self.ssm, strict=True):
+            c.copy_(c0)
+            s.copy_(s0)
+
+    def run(self, _v: object = None, _i: int = 0) -> torch.Tensor:
+        b, delta, residual = self.batch, self.delta, self.residual
+        for i in range(self.L):
+            normed, residual = add_rms_norm_triton(delta, residual, self.norm_w, EPS, residual_dtype=torch.bfloat16)
+            proj = torch.nn.functional.linear(normed, self.w_in[i])
+            z, xbc, dt = proj.split([D_INNER, CONV_DIM, H], dim=-1)
+            xbc = causal_conv1d_update_triton(xbc, self.conv[i], self.cw, self.cb, state_indices=self.slots)
+            x, B, C = xbc.split([D_INNER, G * N, G * N], dim=-1)
+            y = selective_state_update_triton(self.ssm[i], x.reshape(b, H, P), dt, self.A, B.reshape(b, G, N),
+                                              C.reshape(b, G, N), state_indices=self.slots, D=self.D,
+                                              dt_bias=self.dt_bias)
+            y = rms_norm_gated_triton(y.reshape(b, D_INNER), z, self.gate_w, EPS, D_INNER)
+            delta = torch.nn.functional.linear(y, self.w_out[i])
+        return torch.cat([delta, residual])
+
+
+def main() -> None:
+    out = Path(os.environ.get("OUT", "/tmp/out"))
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    L = 64
+    chain = Chain(L, dev)
+    moved = (PROJ * HID + HID * D_INNER) * 2 + 2 * H * P * N * 4  # bytes a layer: weights + state r/w
+    results: list[dict[str, Any]] = []
+    want: torch.Tensor | None = None
+    for v in variants():
+        os.environ["PD_SSM_PDL"] = "1" if v.pdl else "0"
+        chain.restore()
+        try:
+            got = chain.run(v)
+            torch.cuda.synchronize()
+            us = graph_time_us(chain.run, v, [0])  # the whole chain once per replay
+        except Exception as e:  # noqa: BLE001 -- a variant that fails to compile or capture is reported
+            print(f"{v.name:44} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            results.append({"batch": 1, "variant": v.name, "error": str(e)[:1000]})
+            continue
+        if want is None:
+            want = got
+        row = {"batch": 1, "variant": v.name, "us_per_layer": us / L, "gbps": moved / (us / L) / 1e3,
+               "equal_to_no_pdl": bool(torch.equal(got, want)),
+               "max_abs_diff": float((got.float() - want.float()).abs().max())}
+        results.append(row)
+        print(f"{v.name:44} {row['us_per_layer']:7.2f} us/layer  {row['gbps']:6.0f} GB/s  equal {row['equal_to_no_pdl']}"
+              f"  max diff {row['max_abs_diff']:.3g}", flush=True)
+    del chain
+    torch.cuda.empty_cache()
+    for batch, layers in ((32, 16), (128, 8)):
+        wide = Wide(batch, layers, dev)
+        outs = {}
+        for pdl in ("0", "1", "0", "1"):
+            os.environ["PD_SSM_PDL"] = pdl
+            wide.restore()
+            outs[pdl] = wide.run()
+            us = graph_time_us(wide.run, None, [0]) / layers
+            results.append({"batch": batch, "variant": f"three kernels, PDL={pdl}", "us_per_layer": us})
+            print(f"batch {batch:3} three kernels between cuBLAS, PDL={pdl}: {us:8.2f} us/layer", flush=True)
+        print(f"batch {batch:3}: PDL output equal: {bool(torch.equal(outs['0'], outs['1']))}", flush=True)
+        del wide
+        torch.cuda.empty_cache()
+    os.environ.pop("PD_SSM_PDL")
+    (out / "pdl.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
