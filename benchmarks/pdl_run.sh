@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (nvidia-h200, carry third_party) for programmatic dependent launch (kernels/pdl.py):
-#   GPU tests of the kernels and the graph paths with PDL on, the batch-1 layer chain with and
+#   GPU tests of the kernels and the graph paths with PDL on ($TESTS), the batch-1 layer chain with and
 #   without PDL and with the GEMVs' weight prefetch (pdl_gpu.py), `pd-ssm bench engine` with
 #   PD_SSM_PDL=0 and with PDL, and the SSD sweep's variants in $SSD_ONLY (skipped when empty).
 # Results under $OUT; a summary on stdout.
@@ -15,9 +15,9 @@ for round in $(seq 1 "${ENGINE_ROUNDS:-1}"); do  # interleaved: the machine drif
     >> "$OUT/engine_nopdl.txt" 2>&1
   timeout 170 python3 -m pd_ssm.cli bench engine --json "$OUT/engine_pdl$round.json" >> "$OUT/engine_pdl.txt" 2>&1
 done
-[ -z "${SKIP_TESTS:-}" ] && timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/kernels \
-  tests/engine/test_cuda_graphs.py tests/engine/test_gpu_numerics.py tests/engine/test_prefill_graphs.py \
-  > "$OUT/tests.txt" 2>&1; echo "tests rc $?" >> "$OUT/tests.txt"
+TESTS=${TESTS:-tests/kernels tests/engine/test_cuda_graphs.py tests/engine/test_gpu_numerics.py tests/engine/test_prefill_graphs.py tests/models}
+[ -z "${SKIP_TESTS:-}" ] && { timeout 300 python3 -m pytest -q -p no:cacheprovider -x $TESTS > "$OUT/tests.txt" 2>&1
+  echo "tests rc $?" >> "$OUT/tests.txt"; }
 if [ -n "${SSD_ONLY:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site third_party/wheels/*.whl
   PYTHONPATH=$PWD:$PWD/third_party/baseline:/tmp/site timeout 200 python3 benchmarks/ssd_sweep_gpu.py --only "$SSD_ONLY" \
