@@ -8,9 +8,9 @@ far past L2), the launches a deferred-norm Mamba2 block makes at batch 1:
   add_rms_norm (residual add, the previous block's deferred scale) -> in_proj GEMV [10576 x 2560]
   -> conv update -> state update + gate + squares -> out_proj GEMV [2560 x 5120]
 
-Variants: PD_SSM_PDL=0 (every launch waits for the last to complete), PDL with the gate first in
-every kernel, and PDL with the in_proj / out_proj GEMVs loading their first PRE_K weight columns
-into registers before the gate (pre_in / pre_out). µs per layer (median of 7 replays), the bytes
+Variants: PD_SSM_PDL=0 (every launch waits for the last to complete) and PDL, on the default GEMV
+tiles (out_proj's loads its first 2048 weight columns into registers before its gate), and with
+--sweep other tiles under PDL. µs per layer (median of 7 replays), the bytes
 that must move (weights + state read and written) over that time, and whether the output equals
 the no-PDL chain's (to the bit when the arithmetic is the same; close when a prefetch changes the
 order of the K sum).
@@ -19,13 +19,14 @@ Then the step at 32 and 128 rows, where Mamba2 blocks run the three-kernel path 
 projections (layers/mixer2.py, DEFER_BELOW_DECODE_ROWS): norm, in_proj, conv, state update, gated
 norm, out_proj, with PD_SSM_PDL=0 and 1 alternately, twice each.
 
-    python benchmarks/pdl_gpu.py      (CUDA only; JSON to $OUT/pdl.json)
+    python benchmarks/pdl_gpu.py [--sweep]   (CUDA only; JSON to $OUT/pdl.json; --sweep: other GEMV tiles)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -93,17 +94,20 @@ class Variant(NamedTuple):
     tiles: tuple[LinearTile, LinearTile] = (FMA_TILE, FMA_TILE_NARROW)
 
 
-def variants() -> list[Variant]:
-    def t(pre_in: int, pre_out: int) -> tuple[LinearTile, LinearTile]:
-        return (FMA_TILE._replace(prefetch_k=pre_in), FMA_TILE_NARROW._replace(prefetch_k=pre_out))
-
-    out = [Variant("no PDL", False, t(0, 0))]
-    for rep in ("", " (again)"):
-        out.append(Variant("PDL" + rep, True, t(0, 0)))
-        for pre_in, pre_out in ((0, 2048), (512, 2048), (1024, 2048)):
-            out.append(Variant(f"PDL, registers {pre_in}/{pre_out}{rep}", True, t(pre_in, pre_out)))
-
-    out.append(Variant("no PDL (again)", False, t(0, 0)))
+def variants(sweep: bool) -> list[Variant]:
+    """No PDL and PDL on the default tiles (out_proj's with its weight prefetch), twice each; with
+    `sweep`, other GEMV tiles under PDL: (block_n, block_k, warps, stages, prefetch_k)."""
+    default = (FMA_TILE, FMA_TILE_NARROW)
+    out = [Variant("no PDL", False, default), Variant("PDL", True, default)]
+    if sweep:
+        for n, k, w, st, pre in ((4, 512, 4, 4, 2048), (4, 1024, 4, 3, 2048), (8, 1024, 4, 3, 2048),
+                                 (8, 512, 8, 4, 2048), (16, 512, 4, 3, 2048), (8, 512, 4, 4, 1024)):
+            out.append(Variant(f"PDL, out_proj tile {n}x{k} w{w} s{st} pre {pre}", True,
+                               (FMA_TILE, LinearTile(n, k, w, st, prefetch_k=pre))))
+        for n, k, w, st in ((8, 512, 4, 4), (16, 512, 4, 3), (32, 256, 4, 3), (16, 256, 8, 3)):
+            out.append(Variant(f"PDL, in_proj tile {n}x{k} w{w} s{st}", True,
+                               (LinearTile(n, k, w, st), FMA_TILE_NARROW)))
+    out += [Variant("no PDL (again)", False, default), Variant("PDL (again)", True, default)]
     return out
 
 
@@ -159,7 +163,7 @@ def main() -> None:
     moved = (PROJ * HID + HID * D_INNER) * 2 + 2 * H * P * N * 4  # bytes a layer: weights + state r/w
     results: list[dict[str, Any]] = []
     want: torch.Tensor | None = None
-    for v in variants():
+    for v in variants("--sweep" in sys.argv):
         os.environ["PD_SSM_PDL"] = "1" if v.pdl else "0"
         chain.restore()
         try:

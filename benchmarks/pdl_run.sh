@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --find-links third_party/wheels pyzmq 2>&1 | tail -1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt"
-timeout 150 python3 benchmarks/pdl_gpu.py > "$OUT/pdl.txt" 2>&1; echo "pdl rc $?" >> "$OUT/pdl.txt"
+timeout 150 python3 benchmarks/pdl_gpu.py ${PDL_SWEEP:+--sweep} > "$OUT/pdl.txt" 2>&1; echo "pdl rc $?" >> "$OUT/pdl.txt"
 for round in $(seq 1 "${ENGINE_ROUNDS:-1}"); do  # interleaved: the machine drifts between runs
   PD_SSM_PDL=0 timeout 170 python3 -m pd_ssm.cli bench engine --json "$OUT/engine_nopdl$round.json" \
     >> "$OUT/engine_nopdl.txt" 2>&1
