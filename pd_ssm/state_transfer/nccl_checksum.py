@@ -136,3 +136,70 @@ class PendingSums:
         """The trailer's bytes (after `wait`): the sender's sums as it wrote them."""
         self.wait()
         return self._theirs
+
+
+class StreamedSums:
+    """Receiver, CUDA: a message's block sums queued one op at a time, each behind the recv of its
+    bytes (the caller makes the current stream wait for that recv first), then the trailer's sums
+    beside them and ONE copy of both into pinned memory (from `pool`).
+
+    Why: summed whole after the last byte (PendingSums), a coalesced message's 430 MB of sums
+    (~0.1 ms) waited for its last request; queued per op, request i is summed while request i + 1
+    arrives, and only the last op's sums follow the link. `wait` / `theirs` as PendingSums'."""
+
+    def __init__(self, buf: torch.Tensor, payload: int, pool: PinnedPool | None = None) -> None:
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or payload % BLOCK or buf.numel() < payload + 8 * (payload // BLOCK):
+            raise ValueError(f"StreamedSums needs a uint8 buffer of a {payload}-byte payload and its trailer, "
+                             f"got {buf.dtype} {tuple(buf.shape)}")
+        self._buf = buf
+        self._blocks = payload // BLOCK
+        self._sums = torch.empty(2 * self._blocks, dtype=torch.int64, device=buf.device)  # ours | the trailer's
+        self._pool = pool
+        self._host: torch.Tensor | None = None
+        self._done: torch.cuda.Event | None = None
+        self._bytes: bytes | None = None if self._blocks else b""
+        self._theirs = b""
+
+    def add(self, start: int, end: int) -> None:
+        """Queue the sums of buf[start:end) (BLOCK-aligned, within the payload) on the current stream."""
+        if end > start:
+            from pd_ssm.state_transfer.block_sums_triton import block_sums_triton
+
+            block_sums_triton(self._buf[start:end], out=self._sums[start // BLOCK : end // BLOCK])
+
+    def close(self) -> None:
+        """After the last op's recv and sums: the trailer's sums beside ours, then both to the host."""
+        if not self._blocks:
+            return
+        blocks = self._blocks
+        trailer = self._buf[blocks * BLOCK : blocks * BLOCK + 8 * blocks].view(torch.int64)  # NOTE: 8-aligned
+        self._sums[blocks:].copy_(trailer)
+        n = 2 * blocks
+        if not self._buf.is_cuda:  # the Triton interpreter in CPU-only tests: nothing to wait for
+            self._host = self._sums
+            return
+        self._host = self._pool.take(n) if self._pool is not None else torch.empty(n, dtype=torch.int64, pin_memory=True)
+        self._host[:n].copy_(self._sums, non_blocking=True)
+        self._done = torch.cuda.current_stream(self._buf.device).record_event()
+
+    def ready(self) -> bool:
+        return self._bytes is not None or self._host is not None and (self._done is None or self._done.query())
+
+    def wait(self) -> bytes:
+        """Our sums as little-endian int64 bytes (blocks until the device produced them)."""
+        if self._bytes is None:
+            assert self._host is not None, "StreamedSums.wait before close"
+            if self._done is not None:
+                self._done.synchronize()
+            words = self._host.numpy()
+            self._bytes = sums_bytes(words[: self._blocks])
+            self._theirs = words[self._blocks : 2 * self._blocks].tobytes()  # the trailer's bytes as sent
+            if self._pool is not None and self._done is not None:
+                self._pool.give(self._host)  # read: the next message may land in it
+            self._host = self._done = None
+        return self._bytes
+
+    def theirs(self) -> bytes:
+        """The trailer's first 8 bytes per block (after `wait`): the sender's sums as it wrote them."""
+        self.wait()
+        return self._theirs
