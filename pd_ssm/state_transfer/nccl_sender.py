@@ -150,7 +150,7 @@ class NcclSender:
         self._dispatch(out)
 
     def _dispatch(self, out: OutMessage) -> None:
-        """Metadata out, then the buffer laid out one request at a time and each op's p2p send
+        """Metadata out, then the buffer laid out one op at a time and each op's p2p send
         posted as soon as its bytes are queued (nccl_layout.py; none for a message without bytes,
         which is sent once its metadata is out)."""
         assert self._push is not None and self._group is not None
