@@ -26,11 +26,11 @@ from pd_ssm.state_transfer.nccl_control import Control, parse_control
 from pd_ssm.state_transfer.nccl_group import (
     ADDRESS_KEY,
     GEN_KEY,
-    POLL_S,
     RECEIVER_RANK,
     PeerGroup,
     dropped_key,
     host_store,
+    pause,
     split_tcp,
 )
 from pd_ssm.state_transfer.nccl_inbound import Inbound
@@ -232,13 +232,14 @@ class NcclReceiver:
         the backend can be polled), or one failed: then the peer is lost."""
         group, works = self._group, item.works
         assert group is not None and works
-        end = time.monotonic() + self.config.timeout
+        start = time.monotonic()
+        end = start + self.config.timeout
         # NOTE: NCCL completes a group's p2p ops in posting order: the last one done, all are
         while group.done(works[-1]) is False and time.monotonic() < end:
             self._fill()
             if not item.works:  # the peer was lost meanwhile
                 return
-            time.sleep(POLL_S)
+            pause(time.monotonic() - start)
         why = None
         for work in works:
             why = group.wait(work, max(0.0, end - time.monotonic()))
