@@ -2,7 +2,7 @@
 request, or a few small ones, nccl_control.spans) and handed out op by op, so request i is on the
 link while request i + 1 is copied into place and summed.
 
-Why per request: laid out whole, a message's buffer (up to 512 MB of coalesced requests) was
+Why op by op: laid out whole, a message's buffer (up to 512 MB of coalesced requests) was
 copied into place and block-summed before its one p2p send could start -- ~0.3 ms of device work
 per 600 MB, serial with the link, which moves a bf16 Mamba2-2.7B request (86 MB) in ~0.29 ms. Now
 the send of request i is posted right after request i's copies are queued, and its block sums are
@@ -11,11 +11,12 @@ request i + 1's copies follow them. Only the first request's copy and the last r
 (the trailer travels in the last op) stay serial with the link.
 
 Why still a copy (not a zero-copy send from the pages' own tensors): the wire needs each run at
-a BLOCK-aligned offset with zeroed gaps and a request's part contiguous (one op per request; op
-boundaries must come from the control part alone, nccl_control.spans). A zero-copy send would
-need per-run ops sized by the run headers, which the receiver may not trust before parsing --
-stream sync would hang on a malformed header. Pipelined, the copy costs only the first request's
-(~50 us for 86 MB on the H200) and one batched launch per request of host time.
+a BLOCK-aligned offset with zeroed gaps and a request's part contiguous, so that one op carries a
+request and the block sums line up with the runs. Zero-copy would take one op per run (a
+request's runs are separate tensors), the runs' sizes in the control part (the receiver cuts the
+stream by the control part alone, nccl_control.spans) and sums over partial blocks on both sides:
+a wire change to save, once the copies are pipelined, only the first request's copy (~50 us for
+86 MB on the H200) and one batched launch of host time per op.
 """
 
 from __future__ import annotations
