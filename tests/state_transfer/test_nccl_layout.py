@@ -91,3 +91,24 @@ def test_streamed_sums_refuse_a_buffer_without_room_for_the_trailer() -> None:
     empty = StreamedSums(torch.zeros(0, dtype=torch.uint8), 0)
     empty.close()
     assert empty.ready() and empty.wait() == b"" and empty.theirs() == b""
+
+
+def test_an_ops_sums_are_queued_after_its_send_the_last_ops_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pipeline: op i is handed out (its send posted) before its sums are queued, so they
+    overlap its transfer; the last op carries the trailer, so its sums come first."""
+    from pd_ssm.state_transfer import nccl_layout
+
+    events: list[str] = []
+    write = nccl_layout.write_sums
+
+    def spy(part: torch.Tensor, trailer: torch.Tensor) -> None:
+        events.append(f"sums {part.numel()}")
+        write(part, trailer)
+
+    monkeypatch.setattr(nccl_layout, "write_sums", spy)
+    planned = plan(_pages())
+    for op in Layout(planned, torch.device("cpu")).ops():
+        events.append(f"send {op.numel()}")
+    a, b, c = planned.sizes
+    last = c + trailer_bytes(planned.payload)
+    assert events == [f"send {a}", f"sums {a}", f"send {b}", f"sums {b}", f"sums {c}", f"send {last}"]
