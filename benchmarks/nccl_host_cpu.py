@@ -8,11 +8,9 @@ CLOCK_MONOTONIC: one clock for both processes), and the CPU time each process sp
 threads, gloo's included: the host work, robust to a busy machine, which wall times are not).
 
     python benchmarks/nccl_host_cpu.py [--n 8] [--reps 30] [--pages mamba2|hybrid] [--layers 64] [--coalesce-bytes 1]
-                                       [--op-bytes 1]
 
 `--layers`: layers per request (tiny tensors each); 64 is Mamba2-2.7B's count, what a run
-header's layer list and the per-layer work scale with. `--op-bytes 1`: one p2p op per request (as
-2.7B requests go on the GPU; these tiny ones share one op a message by default).
+header's layer list and the per-layer work scale with.
 
 Prints microseconds per request (JSON).
 """
@@ -36,15 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 TOKEN = "host-cpu"
 
 
-def _sender(rendezvous: str, kind: str, layers: int, n: int, reps: int, coalesce: int, op_bytes: int, go: Any,
-            out: Any) -> None:
+def _sender(rendezvous: str, kind: str, layers: int, n: int, reps: int, coalesce: int, go: Any, out: Any) -> None:
     from pd_ssm.bench.transfer import PageShape, make_pages, renamed
     from pd_ssm.state_transfer.base import Ticket
     from pd_ssm.state_transfer.nccl_connector import NcclConfig, NcclConnector
 
     pages = make_pages("h", kind, torch.float32, dataclasses.replace(PageShape.tiny(), layers=layers))
-    tx = NcclConnector(NcclConfig(TOKEN, rendezvous, timeout=30, send_timeout=30, coalesce_bytes=coalesce,
-                                  op_bytes=op_bytes))
+    tx = NcclConnector(NcclConfig(TOKEN, rendezvous, timeout=30, send_timeout=30, coalesce_bytes=coalesce))
     assert tx.address is not None
     starts, sends, cpu = [], [], []
     for r in range(reps + 1):
@@ -97,14 +93,12 @@ def main() -> None:
     ap.add_argument("--pages", default="mamba2", choices=["mamba2", "hybrid"])
     ap.add_argument("--layers", type=int, default=4, help="layers per request (64: Mamba2-2.7B's)")
     ap.add_argument("--coalesce-bytes", type=int, default=512 << 20, help="NcclConfig.coalesce_bytes (1: one request a message)")
-    ap.add_argument("--op-bytes", type=int, default=16 << 20, help="NcclConfig.op_bytes (1: one p2p op a request)")
     a = ap.parse_args()
     ctx = mp.get_context("spawn")
     go, out, rq = ctx.Queue(), ctx.Queue(), ctx.Queue()
     rx = ctx.Process(target=_receiver, args=(a.pages, a.n, a.reps, go, out, rq))
     rx.start()
-    tx = ctx.Process(target=_sender, args=(rq.get(timeout=60), a.pages, a.layers, a.n, a.reps, a.coalesce_bytes,
-                                           a.op_bytes, go, out))
+    tx = ctx.Process(target=_sender, args=(rq.get(timeout=60), a.pages, a.layers, a.n, a.reps, a.coalesce_bytes, go, out))
     tx.start()
     got = dict(out.get(timeout=300) for _ in range(2))
     for p in (tx, rx):
@@ -113,7 +107,7 @@ def main() -> None:
     ends, rx_cpu = got["receiver"]
     e2e = [end - start for start, end in zip(starts, ends, strict=True)]
     print(json.dumps({
-        "pages": a.pages, "layers": a.layers, "n": a.n, "coalesce_bytes": a.coalesce_bytes, "op_bytes": a.op_bytes,
+        "pages": a.pages, "layers": a.layers, "n": a.n, "coalesce_bytes": a.coalesce_bytes,
         "send_calls_us_per_request": round(1e6 * statistics.median(sends) / a.n, 1),
         "end_to_end_us_per_request": round(1e6 * statistics.median(e2e) / a.n, 1),
         "sender_cpu_us_per_request": round(1e6 * statistics.median(tx_cpu) / a.n, 1),

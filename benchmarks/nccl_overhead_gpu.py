@@ -4,12 +4,9 @@
   raw_peer      isend / irecv on a PeerGroup (the connector's private group), reused buffers
   raw_peer_new  the same with a fresh buffer each time on both sides (what the connector allocates)
   connector     NcclConnector.send + flush / recv (pack, checksums, metadata over ZMQ)
-  raw_peer_x8   8 messages of one request's bytes on a PeerGroup, all posted at once (the link's
-                best for 8 back to back); raw_peer_x8_bf16 the same for bf16 pages (86 MB)
   connector_x8  8 requests back to back (coalesced: the first alone, the rest in messages of up to
-                coalesce_bytes, 512 MB; one p2p op per request, nccl_control.spans);
-                connector_x8_<variant> the same with another cap (1: one request a message) or
-                bf16 state pages (86 MB a request)
+                coalesce_bytes, 512 MB); connector_x8_<variant> the same with another cap (1: one
+                request a message) or bf16 state pages (86 MB a request)
   phases        the connector's receive split: control read -> recv posted -> bytes in -> checked
 
     python benchmarks/nccl_overhead_gpu.py      # prints medians (ms), writes $OUT/nccl_overhead.json
@@ -89,10 +86,6 @@ def run(rank: int, port: int, q: Any, rq: Any) -> None:
 
     res["raw_peer_x8"] = _timed(peer8, dev)
     from pd_ssm.cache.pages import PageRun, StatePages
-
-    bf16_bytes = make_pages("o", "mamba2", torch.bfloat16, PageShape()).nbytes()
-    bufs = [b[:bf16_bytes] for b in bufs]
-    res["raw_peer_x8_bf16"] = _timed(peer8, dev)
 
     host = make_pages("o", "mamba2", torch.float32, PageShape())
     assert host.runs is not None
@@ -174,8 +167,7 @@ def run(rank: int, port: int, q: Any, rq: Any) -> None:
         # sender phases, one request: plan (metadata) / buffer laid out with its sums trailer
         # (queued) / the device done / one more block-sum pass, queued and on the host
         from pd_ssm.state_transfer.nccl_checksum import PendingSums
-        from pd_ssm.state_transfer.nccl_layout import fill
-        from pd_ssm.state_transfer.nccl_message import plan
+        from pd_ssm.state_transfer.nccl_message import fill, plan
 
         ph: dict[str, list[float]] = {"plan": [], "fill": [], "fill_on_device": [], "sums_queued": [],
                                       "sums_on_host": []}
@@ -203,7 +195,7 @@ def run(rank: int, port: int, q: Any, rq: Any) -> None:
 
 def _instrument(rank: int) -> list[tuple[str, float]]:
     """Timestamps of the connector's steps (wrapped methods), for the phase split."""
-    from pd_ssm.state_transfer import nccl_batch, nccl_inbound, nccl_layout, nccl_receiver, nccl_sender
+    from pd_ssm.state_transfer import nccl_batch, nccl_inbound, nccl_message, nccl_receiver, nccl_sender
 
     marks: list[tuple[str, float]] = []
 
@@ -219,9 +211,8 @@ def _instrument(rank: int) -> list[tuple[str, float]]:
         setattr(owner, name, timed)
 
     if rank == 0:
-        wrap(nccl_batch.OutMessage, "ops", "layout")  # the buffer allocated (its ops laid out as they are sent)
-        wrap(nccl_layout, "_copy_runs", "copy")  # one request's runs queued into place
-        wrap(nccl_layout, "write_sums", "sums")  # one request's block sums queued into the trailer
+        wrap(nccl_batch, "fill", "layout")  # block sums into the trailer included
+        wrap(nccl_message, "write_sums", "sums")
         wrap(nccl_sender.NcclSender, "_dispatch", "dispatch")  # metadata out, p2p send posted
         wrap(nccl_sender.NcclSender, "_check_dropped", "probe")
     else:

@@ -1,16 +1,11 @@
-"""OutMessage: the NCCL sender's data message -- one request or several coalesced into ONE data
-message (one buffer, one side-channel message), with the side-channel parts that describe it.
+"""OutMessage: the NCCL sender's data message -- one request or several coalesced into ONE p2p
+message, with the side-channel parts that describe it.
 
 Why coalesce: the link moves a Mamba2-2.7B request in ~0.5 ms (fp32; bf16 ~0.25), and each
 message costs the hosts a fixed ~0.3 ms a side (buffer allocation, block-sum kernel launch, p2p
 post, control part, recv post) on top of ~0.15-0.2 ms per request (the copies into the buffer,
 request frame, run headers). One request a message keeps the link waiting for the hosts; k
 requests a message pay the fixed part once.
-
-Coalescing is of the metadata and the per-message work (one side-channel message, one buffer,
-one trailer, one copy of the sums to the receiver's host); the bytes still travel as one p2p op
-per request (nccl_control.spans), laid out and summed one request at a time (nccl_layout.py), so
-a large message does not wait for all of its copies before its first byte moves.
 
 When (nccl_sender.py, nccl_coalesce.py): a request goes out at once when the link is idle (no
 added latency for a lone request); one that comes while an earlier message is still on its way
@@ -27,16 +22,14 @@ request of every message in flight.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pd_ssm.state_transfer.nccl_coalesce import Queued
-from pd_ssm.state_transfer.nccl_control import Control, spans
-from pd_ssm.state_transfer.nccl_layout import Layout
-from pd_ssm.state_transfer.nccl_message import Layouts, Plan, plan
+from pd_ssm.state_transfer.nccl_control import Control
+from pd_ssm.state_transfer.nccl_message import Layouts, Plan, fill, plan
 from pd_ssm.state_transfer.wire import encode_request
 
 
@@ -46,54 +39,27 @@ class OutMessage:
     sizes: list[int]  # each request's bytes in the buffer (the trailer after them)
     starts: list[float]  # time.monotonic() of each request's send: its TransferStats count from there
     parts: list[Any]  # the side-channel message; [] once sent
-    buf: torch.Tensor | None = None  # laid out after the metadata went; kept until the p2p sends completed
-    plan: Plan | None = None  # what `ops` lays out where
-    groups: list[int] | None = None  # requests per p2p op (Control.ops); None: one each
-    # the p2p sends' torch.distributed Works, once posted, in order ([]: no bytes to send)
-    works: list[Any] = field(default_factory=list)
+    buf: torch.Tensor | None = None  # laid out after the metadata went; kept until the p2p send completed
+    plan: Plan | None = None  # what `lay_out` copies where
+    work: Any = None  # the p2p send's torch.distributed Work, once posted (None: no bytes to send)
 
-    def ops(self, device: torch.device) -> Iterator[torch.Tensor]:
-        """The message's p2p ops in order (nccl_control.spans): laid out one op at a time
-        from the plan (nccl_layout.py: each handed out once its bytes are queued; the caller posts
-        its send before taking the next), or slices of a buffer given whole (`post`). Raises
-        RuntimeError (out of device memory) before the first op."""
+    def lay_out(self, device: torch.device) -> torch.Tensor:
+        """The buffer with its sums trailer (kernels queued on the current stream, not waited for)."""
         if self.buf is None:
             assert self.plan is not None
-            layout = Layout(self.plan, device, self.groups)
-            self.buf, self.plan = layout.buf, None
-            return layout.ops()
-        buf = self.buf
-        return iter([buf[start:end] for start, end in spans(self.sizes, self.groups)])
+            self.buf, self.plan = fill(self.plan, device), None
+        return self.buf
 
 
-def build(
-    queued: list[Queued], gen: int, token: bytes, layouts: Layouts | None = None, op_bytes: int = 1
-) -> OutMessage:
+def build(queued: list[Queued], gen: int, token: bytes, layouts: Layouts | None = None) -> OutMessage:
     """The message's metadata -- [token, control, then per request: request header, request
     payload, runs] -- from the plan alone: it can leave before any byte is copied, so the receiver
-    allocates and posts its recvs while the sender lays the buffer out. ValueError for a tensor
-    whose dtype cannot go on the wire. `layouts`: the sender's memo of run headers (nccl_memo.py);
-    `op_bytes`: NcclConfig.op_bytes (`op_groups`)."""
+    allocates and posts its recv while the sender lays the buffer out. ValueError for a tensor
+    whose dtype cannot go on the wire. `layouts`: the sender's memo of run headers (nccl_memo.py)."""
     pages = [q.pages for q in queued]
     req_ids = [p.req_id for p in pages]
     planned = plan(pages, layouts)
-    ops = op_groups(planned.sizes, op_bytes)
-    parts: list[Any] = [token, Control.data(gen, req_ids, planned.sizes, ops).encode()]
+    parts: list[Any] = [token, Control.data(gen, req_ids, planned.sizes).encode()]
     for p, runs in zip(pages, planned.packed, strict=True):
         parts += [*encode_request(p.request), runs]
-    return OutMessage(req_ids, planned.sizes, [q.start for q in queued], parts, plan=planned, groups=ops)
-
-
-def op_groups(sizes: list[int], op_bytes: int) -> list[int]:
-    """Requests per p2p op: consecutive requests share an op until it holds `op_bytes` (1: one
-    request per op). A Mamba2-2.7B request (86-170 MB) is an op of its own at the default 16 MB."""
-    groups: list[int] = []
-    held = 0  # bytes of the last group
-    for n in sizes:
-        if groups and held < op_bytes:
-            groups[-1] += 1
-            held += n
-        else:
-            groups.append(1)
-            held = n
-    return groups
+    return OutMessage(req_ids, planned.sizes, [q.start for q in queued], parts, plan=planned)

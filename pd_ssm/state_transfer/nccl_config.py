@@ -26,21 +26,15 @@ class NcclConfig:
     # tensor bytes (nccl_batch.py): 3 fp32 / 5 bf16 Mamba2-2.7B requests; a larger request goes
     # alone. Capped by max_message_bytes too (block padding and the sums trailer, ~0.01%, on top)
     coalesce_bytes: int = 512 << 20
-    # sender: a message's requests go one p2p op each (laid out, sent and summed in a pipeline,
-    # nccl_control.spans) once an op holds this many bytes; smaller ones share an op, since each op
-    # costs both hosts a post (gloo ~0.2 ms, NCCL tens of us) that a small request does not repay
-    op_bytes: int = 16 << 20
     backend: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
         if not self.token:
             raise ValueError("NcclConfig.token is empty: peers authenticate with the shared cluster token")
         split_tcp(self.rendezvous)
-        if min(self.timeout, self.send_timeout, self.recv_window, self.max_message_bytes, self.coalesce_bytes,
-               self.op_bytes) <= 0:
+        if min(self.timeout, self.send_timeout, self.recv_window, self.max_message_bytes, self.coalesce_bytes) <= 0:
             raise ValueError(
-                "NcclConfig: timeout, send_timeout, recv_window, max_message_bytes, coalesce_bytes, op_bytes must be "
-                f"> 0: {self}"
+                f"NcclConfig: timeout, send_timeout, recv_window, max_message_bytes, coalesce_bytes must be > 0: {self}"
             )
         kind = torch.device(self.device).type
         if kind not in ("cpu", "cuda"):

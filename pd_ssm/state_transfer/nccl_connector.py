@@ -10,10 +10,7 @@ nccl_message.py):
        frame (header, payload), runs list]
   p2p: ONE buffer, the requests' parts back to back (sum(sizes) bytes; per-layer messages are
        ~3x slower on NVLink, TARGETS.md), then the trailer of the sender's block sums, sent from
-       device memory and received into device memory in one op per request (small ones share an
-       op; the last op carries the trailer: nccl_control.spans), so the sender lays out and sums
-       a request while the one before it is on the link and the receiver sums a request while
-       the next one arrives; a run is the same-named tensors of the
+       device memory and received into device memory; a run is the same-named tensors of the
        layers stacked (export_pages makes pages in that form), handed out as views of the
        received buffer, each run's blocks checked against the trailer (nccl_checksum.py) and its
        header against its crc32.
@@ -23,9 +20,8 @@ its way is held and goes out with the others held then (nccl_batch.py, nccl_coal
 request is never held. Every check, failure and abort stays per request.
 
 Order: the sender sends the metadata first (planned on the host, no byte copied yet), then lays
-the buffer out op by op, posting each op's p2p send once its bytes are queued and queueing its
-sums after it (nccl_layout.py), never waiting for the device
-(nccl_sender.py); the receiver reads the metadata, then posts the matching recvs
+the buffer out with its sums trailer and posts the p2p send, never waiting for the device
+(nccl_sender.py); the receiver reads the metadata, then posts the matching recv
 (and those of the messages behind it, up to `recv_window` bytes, while it checks one), parsing a
 message's request frames and run headers while its bytes travel (nccl_inbound.py). Both channels
 are FIFO between the two peers, so the k-th data message of a generation describes its k-th p2p

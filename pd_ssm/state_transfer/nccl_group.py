@@ -68,16 +68,6 @@ def join_store(rendezvous: str, timeout: float) -> dist.TCPStore:
 
 
 POLL_S = 20e-6  # seconds between completion polls of an NCCL p2p (a query of its CUDA event)
-SPIN_S = 5e-3  # seconds a wait polls without sleeping first (`pause`)
-
-
-def pause(waited: float) -> None:
-    """Between two completion polls of a wait that began `waited` seconds ago. For its first
-    SPIN_S it only yields (sleep(0): the GIL and the core go to whoever wants them, else it returns
-    in microseconds): a sleep of POLL_S lasts ~70 us on Linux (timer slack), and the last message's
-    completion, noticed that late, showed in every back-to-back figure (a bf16 2.7B request moves
-    in ~0.29 ms). Past SPIN_S a long wait (a peer that is slow or gone) sleeps between polls."""
-    time.sleep(0.0 if waited < SPIN_S else POLL_S)
 
 
 class PeerGroup:
@@ -123,18 +113,17 @@ class PeerGroup:
     def wait(self, work: Any, timeout: float) -> str | None:
         """Block until `work` completes: None if it did, else why not (peer gone, timed out).
 
-        NCCL: poll the work's completion event ourselves (`pause`), then `wait()` without a
+        NCCL: poll the work's completion event ourselves every POLL_S, then `wait()` without a
         timeout (returns at once, surfaces an error). A wait *with* a timeout sleeps between its own
         polls in coarse steps, which cost milliseconds per request: more than moving 168 MB over
         NVLink. After a failure the group is unusable: the p2p stream may hold half a message."""
         try:
             if self.nccl:
-                start = time.monotonic()
+                end = time.monotonic() + timeout
                 while not work.is_completed():
-                    now = time.monotonic()
-                    if now - start > timeout:
+                    if time.monotonic() > end:
                         return f"timed out after {timeout:.1f} s"
-                    pause(now - start)
+                    time.sleep(POLL_S)
                 work.wait()
                 return None
             ok = work.wait(timedelta(seconds=max(timeout, 0.001)))

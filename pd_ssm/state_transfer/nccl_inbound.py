@@ -3,23 +3,22 @@ its requests parsed while their bytes are on the link, then acted on one request
 
 A data message may carry several requests (coalesced by the sender, nccl_batch.py). What needs
 no byte of the message -- each request frame and run-header list, checked -- is parsed once, as
-soon as the recvs are posted, so that after the last byte lands only the block sums of the last
-request (on NCCL each request's are queued behind the recv of its op, so the others ran while
-later ones arrived) and, per request, a comparison of its runs' sums with the sender's trailer
-and the views are left. Each request then
+soon as the recv is posted, so that after the last byte lands only the block sums of the whole
+buffer (one pass; on NCCL already queued behind the recv) and, per request, a comparison of its
+runs' sums with the sender's trailer and the views are left. Each request then
 ends on its own: handed out, or failed with its own reason (a corrupt request does not take its
 siblings with it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pd_ssm.cache.pages import RequestState
-from pd_ssm.state_transfer.nccl_checksum import PendingSums, StreamedSums
+from pd_ssm.state_transfer.nccl_checksum import PendingSums
 from pd_ssm.state_transfer.nccl_control import PARTS_PER_REQUEST, Control
 from pd_ssm.state_transfer.nccl_message import Headers, RunMeta, parse_request, parse_tensors
 from pd_ssm.state_transfer.wire import FrameError
@@ -34,11 +33,9 @@ class Inbound:
     authentic: bool
     start: float  # time.monotonic() it was read
     buf: torch.Tensor | None = None  # where its p2p bytes land
-    # the posted recvs, one per op (nccl_control.spans), until all completed or one failed: then []
-    works: list[Any] = field(default_factory=list)
+    work: Any = None  # the posted recv, until it completed or failed
     lost: str | None = None  # why its bytes cannot come
-    # block sums of its requests' bytes, and the trailer's (NCCL: queued behind each recv)
-    sums: PendingSums | StreamedSums | None = None
+    sums: PendingSums | None = None  # block sums of its requests' bytes, and the trailer (NCCL: queued behind the recv)
     parsed: list[Parsed] | None = None
     next: int = 0  # the next of its requests to act on
 

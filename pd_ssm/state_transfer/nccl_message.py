@@ -8,8 +8,6 @@ them (nccl_checksum.py). A run is the tensors of one name and shape over the lay
 offset and the gaps are zero-filled, so the receiver hands out per-layer views of the buffer, no
 copy, and checks each run's blocks against the trailer. A run header's "checksum" is the crc32 of
 the header's own fields (`_describe`): a header edited in transit or by a buggy sender fails too.
-The buffer travels as one p2p op per request (nccl_control.spans) and is laid out one request at
-a time (nccl_layout.py), but its layout is the same whole.
 
 Parsing is as strict as wire.py's: every field typed and bounded, no ext types, and the runs
 must tile the buffer exactly, in order, so a malformed header can never make the receiver read
@@ -24,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import msgpack
+import numpy as np
 import torch
 
 from pd_ssm.cache.pages import PageRun, RequestState, StatePages
@@ -32,6 +31,7 @@ from pd_ssm.state_transfer.nccl_checksum import (
     align,
     same_sums,
     trailer_bytes,
+    write_sums,
 )
 from pd_ssm.state_transfer.nccl_memo import Memo
 from pd_ssm.state_transfer.wire import (
@@ -63,7 +63,7 @@ class RunMeta:
     checksum: int  # crc32 of the header fields (`_describe`)
 
 
-Source = torch.Tensor | list[torch.Tensor]  # a run's tensors: already stacked, or one per layer
+_Source = torch.Tensor | list[torch.Tensor]  # a run's tensors: already stacked, or one per layer
 _RunKey = tuple[str, str, torch.dtype, torch.Size]  # page kind, name, dtype, one layer's shape
 # sender memo: (offset, per run (key, layers)) -> the request's run headers, packed, and its end
 Layouts = Memo[tuple[tuple[RunMeta, ...], bytes, int]]
@@ -72,7 +72,7 @@ Headers = Memo[tuple[RunMeta, ...]]
 _MEMO_MAX_RAW = 64 << 10  # bytes: a larger runs part is parsed, never memoized (its bytes are the key)
 
 
-def _runs(pages: StatePages) -> list[tuple[_RunKey, tuple[int, ...], Source]]:
+def _runs(pages: StatePages) -> list[tuple[_RunKey, tuple[int, ...], _Source]]:
     """The pages' tensors grouped by (page kind, name, dtype, shape), layers ascending, in order of
     first appearance: a Mamba2 request is 2 runs (conv, ssm), a hybrid 4 (+ k, v). Pages that
     still come as runs (export_pages) are taken as they are; per-layer pages are grouped here, a
@@ -95,13 +95,29 @@ def _runs(pages: StatePages) -> list[tuple[_RunKey, tuple[int, ...], Source]]:
     return [(key, tuple(ids), tensors) for key, (ids, tensors) in runs.items()]
 
 
+def pack(pages: StatePages, device: torch.device) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+    """One request's tensors in one uint8 buffer on `device`, sums trailer included, and its run
+    headers (`layout_many` of one)."""
+    buf, metas, _ = layout_many([pages], device)
+    return buf, metas[0]
+
+
+def layout_many(
+    pages: list[StatePages], device: torch.device
+) -> tuple[torch.Tensor, list[list[dict[str, Any]]], list[int]]:
+    """Every request's tensors in ONE uint8 buffer on `device` (`plan` then `fill`); per request
+    the header of each run (offsets into the whole buffer) and its size in the buffer."""
+    planned = plan(pages)
+    return fill(planned, device), planned.metas, planned.sizes
+
+
 class Plan(NamedTuple):
     """Where every request's runs go in a message's buffer, before any byte is copied."""
 
     headers: list[tuple[RunMeta, ...]]  # per request, its runs' headers (offsets into the whole buffer)
     packed: list[bytes]  # per request, its runs part: the msgpack list of its headers (`metas`)
     sizes: list[int]  # per request, its bytes in the buffer (a BLOCK multiple)
-    sources: list[list[Source]]  # per request, per run: what is copied there
+    sources: list[list[_Source]]  # per request, per run: what is copied there
     payload: int  # the requests' bytes; the sums trailer follows
 
     @property
@@ -133,7 +149,34 @@ def plan(pages: list[StatePages], memo: Layouts | None = None) -> Plan:
     return Plan(headers, packed, sizes, sources, offset)
 
 
-def _plan(runs: list[tuple[_RunKey, tuple[int, ...], Source]], offset: int) -> tuple[tuple[RunMeta, ...], bytes, int]:
+def fill(planned: Plan, device: torch.device) -> torch.Tensor:
+    """The planned buffer on `device`, then the trailer of its block sums (all queued on the
+    current stream, nothing waited for).
+
+    Tensors of the same name and shape over the layers form a run, stacked by ONE kernel straight
+    into its place in the buffer: per-tensor work in Python (128 tensors for Mamba2-2.7B) would
+    cost milliseconds a request, more than moving its 168 MB over NVLink. The buffer is the only
+    staging the NCCL path does (one p2p message is ~3x faster than one per tensor, TARGETS.md)."""
+    payload = planned.payload
+    buf = torch.empty(payload + trailer_bytes(payload), dtype=torch.uint8, device=device)
+    host = buf.numpy() if buf.device.type == "cpu" else None
+    outs: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    gaps: list[torch.Tensor] = []
+    for ms, sources in zip(planned.headers, planned.sources, strict=True):
+        _place(buf, host, ms, sources, outs, srcs, gaps)
+    # NOTE: one batched copy and one batched zero for the whole message: per run, a copy_ and a
+    # zero_ launch cost the sender's host ~0.13 ms a request on the H200, where the link moves a
+    # bf16 2.7B request in ~0.29 ms and the next message waits for them
+    if outs:
+        torch._foreach_copy_(outs, srcs)
+    if gaps:
+        torch._foreach_zero_(gaps)
+    write_sums(buf[:payload], buf[payload:])
+    return buf
+
+
+def _plan(runs: list[tuple[_RunKey, tuple[int, ...], _Source]], offset: int) -> tuple[tuple[RunMeta, ...], bytes, int]:
     """The headers of `runs` placed from `offset` on, packed as the runs part, and where they end."""
     metas: list[RunMeta] = []
     for (kind, name, dt, shape), layers, _ in runs:
@@ -151,6 +194,35 @@ def _as_dict(m: RunMeta) -> dict[str, Any]:
     """A run header as it goes on the wire (`_RUN_KEYS`)."""
     return {"layers": list(m.layers), "page_kind": m.page_kind, "name": m.name, "dtype": _DTYPE_NAMES[m.dtype],
             "shape": list(m.shape), "offset": m.offset, "nbytes": m.nbytes, "checksum": m.checksum}
+
+
+def _place(buf: torch.Tensor, host: np.ndarray | None, metas: tuple[RunMeta, ...], sources: list[_Source],
+           outs: list[torch.Tensor], srcs: list[torch.Tensor], gaps: list[torch.Tensor]) -> None:
+    """Each run's place in `buf` and its source into `outs` / `srcs` (a stacked tensor on the
+    buffer's device), or the run copied or stacked into its place at once (otherwise); the gap
+    behind each run into `gaps` (the gap is summed: both sides must see zeros). `host`: the
+    buffer's numpy view on the CPU, whose gaps are zeroed here: a small fill through torch costs
+    milliseconds on a busy machine (its thread pool wakes up for 64 KiB) and numpy's memset does
+    not."""
+    for m, source in zip(metas, sources, strict=True):
+        start, n = m.offset, m.nbytes
+        if n:
+            out = buf[start : start + n].view(m.dtype).view(len(m.layers), *m.shape)
+            if isinstance(source, torch.Tensor) and source.device == buf.device:
+                outs.append(out)
+                srcs.append(source)
+            elif isinstance(source, torch.Tensor):
+                out.copy_(source)  # across devices: not batched
+            else:
+                if source[0].device != buf.device:  # host pages for a GPU buffer: the slow path
+                    source = [t.to(buf.device) for t in source]
+                torch.stack(source, out=out)  # pages hold no autograd history (exported under no_grad)
+        end = align(start + n)
+        if end > start + n:
+            if host is not None:
+                host[start + n : end] = 0
+            else:
+                gaps.append(buf[start + n : end])
 
 
 def seal(metas: list[dict[str, Any]]) -> None:

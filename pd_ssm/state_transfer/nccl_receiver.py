@@ -20,17 +20,17 @@ import zmq
 from pd_ssm.cache.pages import StatePages
 from pd_ssm.state_transfer.base import FailureKind, TransferStats
 from pd_ssm.state_transfer.ledger import TransferLedger
-from pd_ssm.state_transfer.nccl_checksum import StreamedSums, trailer_bytes
+from pd_ssm.state_transfer.nccl_checksum import PendingSums, trailer_bytes
 from pd_ssm.state_transfer.nccl_config import NcclConfig
 from pd_ssm.state_transfer.nccl_control import Control, parse_control
 from pd_ssm.state_transfer.nccl_group import (
     ADDRESS_KEY,
     GEN_KEY,
+    POLL_S,
     RECEIVER_RANK,
     PeerGroup,
     dropped_key,
     host_store,
-    pause,
     split_tcp,
 )
 from pd_ssm.state_transfer.nccl_inbound import Inbound
@@ -109,10 +109,10 @@ class NcclReceiver:
     @property
     def in_flight(self) -> int:
         """Data messages read whose recv is posted and not yet completed."""
-        return sum(1 for i in self._queue if i.works)
+        return sum(1 for i in self._queue if i.work is not None)
 
     def _posted_bytes(self) -> int:
-        return sum(i.buf.numel() for i in self._queue if i.buf is not None and i.works)
+        return sum(i.buf.numel() for i in self._queue if i.buf is not None and i.work is not None)
 
     def _read(self, msg: list[bytes]) -> Inbound | None:
         """Parse the control part; for a data message, post its recv (always, to keep the stream in
@@ -145,34 +145,27 @@ class NcclReceiver:
             self.lose_peer(f"cannot take a {control.nbytes}-byte message: {e}")
             item.lost = f"its {control.nbytes} bytes could not be received here: {str(e).splitlines()[0][:200]}"
             return item
-        spans = control.spans
-        try:
-            # NOTE: every recv first, the sums after: the link can move the first request's bytes
-            # while the host queues the rest
-            for start, end in spans:
-                item.works.append(self._group.irecv(item.buf[start:end]))
-        except RuntimeError as e:
-            self._lost(item, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
-            return item
-        if self._side is not None and spans:
-            item.sums = self._sums_behind_recv(item, spans)
+        if control.nbytes:
+            try:
+                item.work = self._group.irecv(item.buf)
+            except RuntimeError as e:
+                self._lost(item, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                return item
+            if self._side is not None:
+                item.sums = self._sums_behind_recv(item)
         return item
 
-    def _sums_behind_recv(self, item: Inbound, spans: list[tuple[int, int]]) -> StreamedSums:
-        """NCCL: each op's block sums queued on the side stream behind its recv (`Work.wait` makes
-        the current stream wait, not the host), so request i is summed while request i + 1 arrives
-        and only the last op's sums follow the last byte; a recv that never completes (peer dead,
+    def _sums_behind_recv(self, item: Inbound) -> PendingSums:
+        """NCCL: the message's block sums queued on the side stream behind its recv (`Work.wait`
+        makes the current stream wait, not the host), so they run as the last byte lands instead
+        of after the host noticed and launched them; a recv that never completes (peer dead,
         communicator aborted) can stall only that stream."""
         assert self._side is not None and item.buf is not None
         payload = item.control.nbytes
         with torch.cuda.stream(self._side):
+            item.work.wait()
             item.buf.record_stream(self._side)
-            sums = StreamedSums(item.buf, payload, self._pinned)
-            for work, (start, end) in zip(item.works, spans, strict=True):
-                work.wait()
-                sums.add(start, min(end, payload))  # the last op's trailer is not summed
-            sums.close()
-        return sums
+            return PendingSums(item.buf[:payload], item.buf[payload:], self._pinned)
 
     def _finish(self, item: Inbound) -> StatePages | None:
         """The next message in order: act on it, or on the next of its requests -- waiting for its
@@ -187,7 +180,7 @@ class NcclReceiver:
             elif control.req_id in self.table:  # otherwise it arrived or failed already: nothing to undo
                 self._fail(control.req_id, "aborted by the sender", FailureKind.SENDER_ABORTED)
             return None
-        if item.works:
+        if item.work is not None:
             if item.authentic:
                 item.parse(self._headers)  # while its bytes are on the link
             self._wait(item)
@@ -228,31 +221,23 @@ class NcclReceiver:
         return pages
 
     def _wait(self, item: Inbound) -> None:
-        """Until `item`'s recvs completed (taking in and posting the next messages meanwhile, where
-        the backend can be polled), or one failed: then the peer is lost."""
-        group, works = self._group, item.works
-        assert group is not None and works
-        start = time.monotonic()
-        end = start + self.config.timeout
-        # NOTE: NCCL completes a group's p2p ops in posting order: the last one done, all are
-        while group.done(works[-1]) is False and time.monotonic() < end:
+        """Until `item`'s recv completed (taking in and posting the next messages meanwhile, where
+        the backend can be polled), or failed: then the peer is lost."""
+        group, work = self._group, item.work
+        assert group is not None and work is not None
+        end = time.monotonic() + self.config.timeout
+        while group.done(work) is False and time.monotonic() < end:
             self._fill()
-            if not item.works:  # the peer was lost meanwhile
+            if item.work is None:  # the peer was lost meanwhile
                 return
-            pause(time.monotonic() - start)
-        why = None
-        for work in works:
-            why = group.wait(work, max(0.0, end - time.monotonic()))
-            if why is not None:
-                break
-        item.works = []
+            time.sleep(POLL_S)
+        why = group.wait(work, max(0.0, end - time.monotonic()))
+        item.work = None
         if why is not None:
             self.lose_peer(f"p2p recv failed: {why}")
             item.lost = f"peer lost mid-transfer ({item.control.nbytes} B): {why}"
 
     def _lost(self, item: Inbound, why: str) -> None:
-        """A recv could not be posted: the peer is lost, and so are the recvs of `item` posted before."""
-        item.works = []
         self.lose_peer(f"p2p recv failed: {why}")
         item.lost = f"peer lost mid-transfer ({item.control.nbytes} B): {why}"
 
@@ -279,8 +264,8 @@ class NcclReceiver:
         """Tear the group down and tell its sender through the store; the next hello pairs again.
         Every recv posted on it fails (its bytes may be half on the stream)."""
         for item in self._queue:
-            if item.works:
-                item.works = []
+            if item.work is not None:
+                item.work = None
                 item.lost = f"peer lost mid-transfer ({item.control.nbytes} B): {reason}"
         if self._group is not None:
             if self._store is not None:

@@ -8,11 +8,9 @@ after its peer is lost it fails what was in flight, holds no buffer, and re-pair
 comes while an earlier message is still on its way is held and coalesced with the others held
 into one data message (nccl_batch.py says when, and why that costs a lone request nothing). A
 message is posted by sending its metadata -- planned on the host, nothing waits for the device --
-then, op by op (nccl_control.spans: one per request, small ones together), queueing the op's
-layout copies, posting its p2p send (NCCL orders it after them on the stream) and queueing its
-block sums into the message's trailer (nccl_layout.py, nccl_checksum.py), so the receiver
-allocates and posts its recvs while the sender lays the buffer out, and op i + 1 is laid out and
-summed while op i is on the link. The side channel and the p2p stream carry
+then queueing its layout and block-sum kernels (the sums go into the message's trailer,
+nccl_checksum.py) and posting its p2p send (NCCL orders it after the kernels on the stream), so
+the receiver allocates and posts its recv while the sender lays the buffer out. The side channel and the p2p stream carry
 messages in the same order; metadata the receiver does not take within `send_timeout` fails the
 message (no byte of it was posted) and drops the pairing: the peer does not answer.
 """
@@ -126,9 +124,7 @@ class NcclSender:
         Gloo cannot tell: any send posted and not flushed counts as busy."""
         if not self._pending or self._group is None:
             return False
-        works = self._pending[-1].works
-        # NOTE: NCCL completes a group's p2p ops in posting order: the last one done, all are
-        return bool(works) and self._group.done(works[-1]) is not True
+        return self._group.done(self._pending[-1].work) is not True
 
     def _post(self, held: list[Queued]) -> None:
         """Post `held` as ONE data message."""
@@ -139,7 +135,7 @@ class NcclSender:
                 self.ledger.fail(q.pages.req_id, self._lost)
             return
         try:
-            out = build(held, self._group.gen, self._token, self._layouts, self.config.op_bytes)
+            out = build(held, self._group.gen, self._token, self._layouts)
         except ValueError as e:  # a tensor whose dtype cannot go on the wire: that request alone fails
             if len(held) == 1:
                 self.ledger.fail(held[0].pages.req_id, str(e))
@@ -150,9 +146,8 @@ class NcclSender:
         self._dispatch(out)
 
     def _dispatch(self, out: OutMessage) -> None:
-        """Metadata out, then the buffer laid out one op at a time and each op's p2p send
-        posted as soon as its bytes are queued (nccl_layout.py; none for a message without bytes,
-        which is sent once its metadata is out)."""
+        """Metadata out, then the buffer laid out and its p2p send posted (none for a message
+        without bytes, which is sent once its metadata is out)."""
         assert self._push is not None and self._group is not None
         try:
             self._push.send_multipart(out.parts)
@@ -165,34 +160,27 @@ class NcclSender:
         out.parts = []
         self._pending.append(out)  # from here on a lost peer fails it
         try:
-            ops = out.ops(self.device)
+            buf = out.lay_out(self.device)
         except RuntimeError as e:  # out of device memory: the receiver waits for bytes that cannot come
             self.lose_peer(f"cannot lay out a {sum(out.sizes)}-byte message: {str(e).splitlines()[0][:200]}")
             return
-        group = self._group
-        try:
-            for op in ops:
-                out.works.append(group.isend(op))
-        except RuntimeError as e:  # gloo refuses at once on a pair whose peer is gone
-            self.lose_peer(f"peer lost: {e}")
-            return
-        if not out.works:
+        if buf.numel() == 0:
             self._pending.pop()
             self._complete(out)
+            return
+        try:
+            out.work = self._group.isend(buf)
+        except RuntimeError as e:  # gloo refuses at once on a pair whose peer is gone
+            self.lose_peer(f"peer lost: {e}")
 
-    def post(
-        self, req_ids: list[str], parts: list[bytes | memoryview], buf: torch.Tensor, start: float, sizes: list[int],
-        ops: list[int] | None = None,
-    ) -> None:
-        """`parts` out, then the p2p sends of `buf` -- the requests' parts of `sizes` bytes back to
-        back, then their trailer, in the ops `ops` says (None: one per request) -- after everything
-        sent before. Public so fault tests can post a message they mangled; `send` is the way to
-        post requests."""
+    def post(self, req_ids: list[str], parts: list[bytes | memoryview], buf: torch.Tensor, start: float) -> None:
+        """`parts` out, then the p2p send of `buf`, after everything sent before. Public so fault
+        tests can post a message they mangled; `send` is the way to post requests."""
         self._post(self._held.take())
         if self._push is None or self._group is None:
             raise RuntimeError("this NcclConnector is not paired: call pair() first")
         n = len(req_ids)
-        self._dispatch(OutMessage(req_ids, list(sizes), [start] * n, list(parts), buf, groups=ops))
+        self._dispatch(OutMessage(req_ids, [buf.numel() // max(1, n)] * n, [start] * n, list(parts), buf))
 
     def abort(self, req_id: str) -> None:
         """Tell the receiver to release the reservation of `req_id` now rather than at its expiry.
@@ -216,7 +204,8 @@ class NcclSender:
         # failed by gloo, and a gloo wait cannot be sliced (a timed-out wait ends the Work)
         self._check_dropped()
         while self._pending and self._group is not None:
-            why = self._wait_all(self._pending[0], end)
+            out = self._pending[0]
+            why = self._group.wait(out.work, end - time.monotonic())
             if why is not None:
                 self.lose_peer(f"p2p send failed: {why}")
                 break
@@ -236,24 +225,15 @@ class NcclSender:
             self._check_dropped()
         while self._pending and self._group is not None:
             out = self._pending[0]
-            if not out.works or not self._group.done(out.works[-1]):  # in posting order: the last is the last done
+            if not self._group.done(out.work):
                 if time.monotonic() - out.starts[-1] > self.config.timeout:
                     self.lose_peer(f"p2p send not completed within {self.config.timeout} s")
                 return
-            why = self._wait_all(out, time.monotonic() + self.config.timeout)  # completed: surfaces errors
+            why = self._group.wait(out.work, self.config.timeout)  # completed: surfaces its error
             if why is not None:
                 self.lose_peer(f"p2p send failed: {why}")
                 return
             self._complete(self._pending.popleft())
-
-    def _wait_all(self, out: OutMessage, end: float) -> str | None:
-        """Wait for each of `out`'s sends in order, until `end` at most: None if all completed."""
-        assert self._group is not None
-        for work in out.works:
-            why = self._group.wait(work, end - time.monotonic())
-            if why is not None:
-                return why
-        return None
 
     def _check_dropped(self) -> None:
         """One store round trip: did the receiver drop our generation (then re-pair on next send)?"""

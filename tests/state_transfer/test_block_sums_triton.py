@@ -70,31 +70,3 @@ def test_pending_sums_on_cuda_reuse_pinned_buffers() -> None:
         assert not same_sums(on_gpu.wait(), on_gpu.theirs(), 0, BLOCK)
         assert same_sums(on_gpu.wait(), on_gpu.theirs(), BLOCK, (blocks - 1) * BLOCK)
     assert pool.allocated == 2 and len(pool) == 2  # the second 3-block message reused the first's
-
-
-@needs_cuda
-def test_streamed_sums_on_cuda_behind_a_side_stream_equal_the_host_sums() -> None:
-    """The receiver's per-op sums (nccl_receiver._sums_behind_recv): queued op by op on a side
-    stream, the trailer's beside them, one copy into a reused pinned buffer."""
-    from pd_ssm.state_transfer.nccl_checksum import StreamedSums
-    from pd_ssm.state_transfer.nccl_control import spans
-
-    g = torch.Generator().manual_seed(8)
-    pool = PinnedPool(keep=2)
-    side = torch.cuda.Stream()
-    for sizes in ([3 * BLOCK], [2 * BLOCK, 0, 520 * BLOCK, BLOCK]):
-        payload = sum(sizes)
-        host = torch.randint(0, 256, (payload + trailer_bytes(payload),), dtype=torch.uint8, generator=g)
-        write_sums(host[:payload], host[payload:])
-        host[payload - 5] ^= 0x40  # arrived different: the last block's sum differs from the trailer's
-        buf = host.cuda()
-        with torch.cuda.stream(side):
-            sums = StreamedSums(buf, payload, pool)
-            for start, end in spans(sizes):
-                sums.add(start, min(end, payload))
-            sums.close()
-        want = PendingSums(host[:payload], host[payload:])
-        assert (sums.wait(), sums.theirs()) == (want.wait(), want.theirs())
-        assert not same_sums(sums.wait(), sums.theirs(), payload - BLOCK, BLOCK)
-        assert same_sums(sums.wait(), sums.theirs(), 0, payload - BLOCK)
-    assert len(pool) >= 1  # given back once read

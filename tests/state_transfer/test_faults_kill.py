@@ -68,7 +68,7 @@ def _nccl_sender_dies(rendezvous: str) -> None:
     tx = NcclConnector(NcclConfig(TOKEN, rendezvous, timeout=10.0))
     tx.send(make_pages("warm", seed=1), ticket(tx, "warm"))
     assert tx.flush(10.0)
-    _die_mid_send(tx, big, ticket(tx, "big"), nccl_batch, "Layout", settle=0.5)  # the metadata lands meanwhile
+    _die_mid_send(tx, big, ticket(tx, "big"), nccl_batch, "fill", settle=0.5)  # the metadata lands meanwhile
 
 
 def _nccl_sender_after(rendezvous: str) -> None:

@@ -4,7 +4,6 @@ The pytest process receives; a spawned process sends (helpers from test_nccl_con
 
 from __future__ import annotations
 
-import functools
 import multiprocessing as mp
 import os
 import signal
@@ -20,7 +19,6 @@ from pd_ssm.state_transfer.nccl_coalesce import Queued
 from pd_ssm.state_transfer.nccl_config import NcclConfig
 from pd_ssm.state_transfer.nccl_connector import NcclConnector
 from pd_ssm.state_transfer.nccl_control import Control
-from pd_ssm.state_transfer.nccl_layout import fill
 from pd_ssm.state_transfer.nccl_receiver import NcclReceiver
 from pd_ssm.state_transfer.reservations import ReservationTable
 from tests.state_transfer.test_nccl_connector import (
@@ -59,24 +57,6 @@ def messages(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ...]]:
     return seen
 
 
-@pytest.fixture
-def ops(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
-    """The requests per p2p op (Control.ops) of every data message the receiver reads, in order,
-    checked against the recvs it posted: one per op with bytes."""
-    seen: list[tuple[int, ...]] = []
-    read = NcclReceiver._read
-
-    def spy(self: NcclReceiver, msg: list[bytes]) -> Any:
-        item = read(self, msg)
-        if item is not None and item.control.kind == "data":
-            seen.append(item.control.ops)
-            assert len(item.works) == len(item.control.spans) or item.lost is not None
-        return item
-
-    monkeypatch.setattr(NcclReceiver, "_read", spy)
-    return seen
-
-
 def _lead_then_siblings(tx: NcclConnector, after: Callable[[NcclConnector], None] | None = None) -> None:
     """"lead" finds the link idle and leaves at once; the siblings, sent while it is on its way
     (gloo: until a flush), are held for one message."""
@@ -90,27 +70,19 @@ def _lead_then_siblings(tx: NcclConnector, after: Callable[[NcclConnector], None
     assert tx.flush(10.0) and tx.in_flight == 0
 
 
-def _siblings_then_lone(tx: NcclConnector, op_bytes: int | None = None) -> None:
-    if op_bytes is not None:
-        tx.config.op_bytes = op_bytes
+def _siblings_then_lone(tx: NcclConnector) -> None:
     _lead_then_siblings(tx)
     assert tx.get_finished()[0] == {"lead", *SIBLINGS} and tx.get_failed() == {}
     tx.send(make_pages("lone", torch.bfloat16, seed=50), ticket(tx, "lone"))  # the link is idle again
     assert not tx._tx._held and len(tx._tx._pending) == 1  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("op_bytes,sibling_ops", [(None, (4,)), (1, (1, 1, 1, 1)), (2 * 2**18, (2, 2))])
-def test_requests_sent_while_the_link_is_busy_share_one_message(
-    messages: list[tuple[str, ...]], ops: list[tuple[int, ...]], op_bytes: int | None, sibling_ops: tuple[int, ...]
-) -> None:
-    """The siblings (~0.25 MB each) share one op at the default op_bytes, go one op each at 1, two
-    at a time at 0.5 MB: laid out, sent and checked op by op, each request still its own."""
+def test_requests_sent_while_the_link_is_busy_share_one_message(messages: list[tuple[str, ...]]) -> None:
     table = ReservationTable(ttl=60.0, token=TOKEN)
     reserve(table, "lead", *SIBLINGS, "lone")
-    with pair(table, functools.partial(_siblings_then_lone, op_bytes=op_bytes)) as rx:
+    with pair(table, _siblings_then_lone) as rx:
         got, failed = collect(rx, 2 + len(SIBLINGS))
         assert failed == {} and messages == [("lead",), tuple(SIBLINGS), ("lone",)]
-        assert ops == [(1,), sibling_ops, (1,)]
         for i, req_id in enumerate(SIBLINGS):
             assert_same(sibling(i), got[req_id])
         assert_same(make_pages("lone", torch.bfloat16, seed=50), got["lone"])
@@ -164,10 +136,9 @@ def _mangled_sibling(mangle: Callable[[list[Any], OutMessage], str]) -> Callable
         assert tx._tx is not None and tx._tx._group is not None
         queued = [Queued(sibling(i), time.monotonic(), sibling(i).nbytes()) for i in range(3)]
         out = build(queued, tx._tx._group.gen, TOKEN.encode())
-        assert out.plan is not None
-        out.buf = fill(out.plan, torch.device("cpu"))  # its sums trailer written
+        buf = out.lay_out(torch.device("cpu"))  # its sums trailer written
         mangle(out.parts, out)
-        tx._tx.post(out.req_ids, out.parts, out.buf, time.monotonic(), out.sizes, out.groups)
+        tx._tx.post(out.req_ids, out.parts, buf, time.monotonic())
         tx.send(make_pages("good", torch.bfloat16, seed=2), ticket(tx, "good"))
 
     return script
@@ -256,7 +227,7 @@ def _dies_mid_message(rendezvous: str) -> None:
     for req_id in ("big1", "big2"):
         tx.send(make_pages(req_id, seed=60, ssm_elems=BIG), ticket(tx, req_id))  # held: the link is busy
     assert tx.in_flight == 3 and len(tx._tx._held) == 2  # type: ignore[union-attr]
-    nccl_batch.Layout = die  # type: ignore[assignment,misc]
+    nccl_batch.fill = die
     tx.get_finished()  # not a send: posts the held two as one message -- and dies laying it out
 
 
@@ -298,16 +269,16 @@ def _layout_fails_after_its_metadata(tx: NcclConnector) -> None:
     for bytes that will not come, so the pairing goes and both requests fail; the next re-pairs."""
     from pd_ssm.state_transfer import nccl_batch
 
-    layout = nccl_batch.Layout
+    fill = nccl_batch.fill
 
     def oom(*args: Any) -> Any:
-        nccl_batch.Layout = layout  # type: ignore[misc]  # once
+        nccl_batch.fill = fill  # once
         raise RuntimeError("CUDA out of memory (simulated)")
 
     tx.send(make_pages("lead", torch.float32, seed=39), ticket(tx, "lead"))
     assert tx.flush(10.0) and tx.get_finished()[0] == {"lead"}
     tx.send(make_pages("lead2", torch.float32, seed=38), ticket(tx, "lead2"))  # in flight: it fails with the pairing
-    nccl_batch.Layout = oom  # type: ignore[assignment,misc]
+    nccl_batch.fill = oom
     for i in range(2):
         tx.send(sibling(i), ticket(tx, SIBLINGS[i]))  # held
     tx.flush(10.0)  # posts them: metadata out, then the layout fails

@@ -19,7 +19,7 @@ import torch
 from pd_ssm.cache.pages import LayerPages, RequestState, StatePages
 from pd_ssm.state_transfer.base import Ticket
 from pd_ssm.state_transfer.nccl_connector import NcclConfig, NcclConnector
-from pd_ssm.state_transfer.nccl_layout import pack
+from pd_ssm.state_transfer.nccl_message import pack
 from pd_ssm.state_transfer.nccl_receiver import NcclReceiver
 from pd_ssm.state_transfer.reservations import ReservationTable
 

@@ -16,8 +16,7 @@ import torch
 from pd_ssm.state_transfer.nccl_checksum import BLOCK, align
 from pd_ssm.state_transfer.nccl_connector import NcclConnector
 from pd_ssm.state_transfer.nccl_control import Control
-from pd_ssm.state_transfer.nccl_layout import pack
-from pd_ssm.state_transfer.nccl_message import seal
+from pd_ssm.state_transfer.nccl_message import pack, seal
 from pd_ssm.state_transfer.reservations import ReservationTable
 from pd_ssm.state_transfer.wire import encode_request
 from tests.state_transfer.test_nccl_connector import (
@@ -36,27 +35,21 @@ Mangle = Callable[[Parts, list[dict[str, Any]], torch.Tensor], tuple[Parts, torc
 
 
 def _message(tx: NcclConnector, req_id: str) -> tuple[Parts, list[dict[str, Any]], torch.Tensor]:
-    """What `send` would post for `req_id`: the parts (tensors part still a list) and the buffer
-    (the request's part, then its sums trailer: `_size` of it is the part)."""
+    """What `send` would post for `req_id`: the parts (tensors part still a list) and the buffer."""
     pages = make_pages(req_id, torch.float32, seed=1)
     buf, metas = pack(pages, torch.device("cpu"))
     header, payload = encode_request(pages.request)
     gen = tx._tx._group.gen  # type: ignore[union-attr]
-    return [TOKEN.encode(), Control.data(gen, [req_id], [_size(metas)]).encode(), header, payload, None], metas, buf
-
-
-def _size(metas: list[dict[str, Any]]) -> int:
-    """The request's part of the buffer, as packed (before any mangling of `metas`)."""
-    return align(metas[-1]["offset"] + metas[-1]["nbytes"])
+    size = align(metas[-1]["offset"] + metas[-1]["nbytes"])  # the request's part; its sums trailer follows
+    return [TOKEN.encode(), Control.data(gen, [req_id], [size]).encode(), header, payload, None], metas, buf
 
 
 def _send_mangled_then_good(mangle: Mangle, tx: NcclConnector) -> None:
     parts, metas, buf = _message(tx, "bad")
-    size = _size(metas)  # the bytes really sent, whatever the mangled metadata claims
     parts, buf = mangle(parts, metas, buf)
     if len(parts) == 5 and parts[4] is None:
         parts[4] = msgpack.packb(metas, use_bin_type=True)
-    tx._tx.post(["bad"], parts, buf, time.monotonic(), [size])  # type: ignore[union-attr]
+    tx._tx.post(["bad"], parts, buf, time.monotonic())  # type: ignore[union-attr]
     tx.send(make_pages("good", torch.bfloat16, seed=2), ticket(tx, "good"))
 
 
@@ -174,7 +167,7 @@ def _truncated_control_then_good(tx: NcclConnector) -> None:
     parts, metas, buf = _message(tx, "bad")
     parts[1] = parts[1][:-3]
     parts[4] = msgpack.packb(metas, use_bin_type=True)
-    tx._tx.post(["bad"], parts, buf, time.monotonic(), [_size(metas)])  # type: ignore[union-attr]
+    tx._tx.post(["bad"], parts, buf, time.monotonic())  # type: ignore[union-attr]
     tx.flush(10.0)  # gloo: done once the bytes are in the socket, whatever the receiver did
     end = time.monotonic() + 10.0
     while tx.paired and time.monotonic() < end:  # the receiver could not size it: it drops the pairing
