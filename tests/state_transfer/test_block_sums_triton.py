@@ -55,6 +55,18 @@ def test_the_receivers_launch_copies_the_trailer_beside_its_sums() -> None:
     assert got[3:].numpy().tobytes() == trailer[:24].numpy().tobytes()
 
 
+def test_the_senders_trailer_is_its_sums_then_zeros() -> None:
+    """The trailer is padded to a whole block and all of it goes on the wire: past the sums, zeros
+    (not what the reused buffer held before)."""
+    g = torch.Generator().manual_seed(8)
+    payload = torch.randint(0, 256, (3 * BLOCK,), dtype=torch.uint8, generator=g).to(DEV)
+    trailer = torch.randint(1, 256, (trailer_bytes(payload.numel()),), dtype=torch.uint8, generator=g).to(DEV)
+    write_sums(payload, trailer)
+    got = trailer.cpu()
+    assert got[:24].numpy().tobytes() == block_sums(payload)
+    assert not got[24:].any()
+
+
 @needs_cuda
 def test_pending_sums_on_cuda_reuse_pinned_buffers() -> None:
     g = torch.Generator().manual_seed(6)
