@@ -4,8 +4,9 @@ A state row [d, 0:width-1] is width-1 elements (6 or 12 bytes), too short and mi
 loads, so the kernel works on [BLOCK_D] channel vectors, one per state column: each column is one
 strided load per channel, coalesced across the warp (the old [BLOCK_D, 4] tile split a channel's
 row over threads, masked a quarter of its lanes and re-read columns through DRAM latency), and the
-shift left re-reads columns from L1 after every first load has returned. The loads that do not
-depend on the slot (x, weights, bias) are issued before the slot index returns.
+shift left re-reads columns from L1 after every first load has returned. The weights, the slot and
+the state columns are loaded before the PDL gate (pdl.py), while in_proj, which writes x, still
+runs; x after it.
 """
 
 from __future__ import annotations
