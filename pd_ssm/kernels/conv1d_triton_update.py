@@ -20,7 +20,7 @@ from torch import Tensor
 
 from pd_ssm.kernels.conv1d import _check_conv_args
 from pd_ssm.kernels.conv1d_triton_varlen import _on_device, _silu_in
-from pd_ssm.kernels.pdl import pdl_gate, use_pdl
+from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 
 
 @triton.jit
@@ -141,6 +141,6 @@ def launch_conv_update(
             x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
             WIDTH=weight.shape[1], HAS_BIAS=bias is not None, SILU=activation == "silu", FAST_EXP=x.is_cuda,
             BLOCK_D=block_d, PDL=pdl,
-            num_warps=num_warps, launch_pdl=pdl,
+            num_warps=num_warps, **launch_options(pdl),
         )
     return out

@@ -23,7 +23,7 @@ from torch import Tensor
 from pd_ssm.kernels.conv1d import _check_conv_args
 from pd_ssm.kernels.conv1d_triton_update import default_update_tile, launch_conv_update
 from pd_ssm.kernels.mixer_decode import check_mixer_decode_args
-from pd_ssm.kernels.pdl import pdl_gate, use_pdl
+from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 from pd_ssm.kernels.rmsnorm import GatedSquares
 from pd_ssm.kernels.ssu import check_ssu_args
 from pd_ssm.kernels.ssu_triton import SSUConfig, _on_device, _softplus
@@ -164,6 +164,6 @@ def launch_decode_step(
             P, N, H // ngroups, d_inner, conv_dim, ngroups * N,
             proj.stride(0), xbc.stride(0), ssm_state.stride(0), ssm_state.stride(1), g.stride(0), sq.stride(0),
             HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, BLOCK_P=cfg.block_p,
-            BLOCK_N=triton.next_power_of_2(N), PDL=pdl, num_warps=cfg.num_warps, launch_pdl=pdl,
+            BLOCK_N=triton.next_power_of_2(N), PDL=pdl, num_warps=cfg.num_warps, **launch_options(pdl),
         )
     return GatedSquares(g, sq)

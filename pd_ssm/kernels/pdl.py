@@ -42,12 +42,23 @@ def _device_has_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+# NOTE: Triton before 3.3 has neither the griddepcontrol intrinsics nor the launch option
+_TRITON_HAS_PDL = hasattr(tl.extra.cuda, "gdc_wait")
+
+
 def use_pdl(t: Tensor) -> bool:
     """Whether kernels working on `t` launch with PDL: a CUDA device of compute capability >= 9
-    (Hopper), unless PD_SSM_PDL=0. Never under the Triton interpreter (CPU tensors)."""
-    if not t.is_cuda or os.environ.get(_ENV, "1") == "0":
+    (Hopper) and a Triton that can, unless PD_SSM_PDL=0. Never under the Triton interpreter (CPU
+    tensors)."""
+    if not t.is_cuda or not _TRITON_HAS_PDL or os.environ.get(_ENV, "1") == "0":
         return False
     return _device_has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def launch_options(pdl: bool) -> dict[str, bool]:
+    """The launch keyword for a kernel call: `launch_pdl` only when set, so a Triton without the
+    option still runs every kernel without PDL."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 @triton.jit

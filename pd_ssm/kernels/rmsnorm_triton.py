@@ -23,7 +23,7 @@ from torch import Tensor
 from pd_ssm.kernels._checks import (
     check_same_device,
 )
-from pd_ssm.kernels.pdl import pdl_gate, use_pdl
+from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 from pd_ssm.kernels.rmsnorm import (
     AddNormOutput,
     GatedSquares,
@@ -131,7 +131,7 @@ def _launch(x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, group_si
             x.stride(0), x.stride(0) if gate is None else gate.stride(0), out.stride(0),
             GATED=gate is not None, WEIGHT_FP32=weight_in_fp32, DEFER=sq is not None, BLOCK=block,
             NUM_CHUNKS=triton.cdiv(group_size, block), PDL=pdl, num_warps=min(16, max(1, block // 512)),
-            launch_pdl=pdl,
+            **launch_options(pdl),
         )
     return out
 
@@ -271,6 +271,6 @@ def add_rms_norm_triton(x: Tensor | None, residual: Tensor, weight: Tensor, eps:
             HAS_X=x is not None, HAS_X_RMS=x_rms is not None, WEIGHT_FP32=weight_in_fp32, BLOCK=block,
             NUM_CHUNKS=triton.cdiv(d, block),
             BLOCK_SQ=1 if x_rms is None else triton.next_power_of_2(x_rms.sq.shape[1]),
-            PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
+            PDL=pdl, num_warps=num_warps, **launch_options(pdl),
         )
     return AddNormOutput(out, res_out)

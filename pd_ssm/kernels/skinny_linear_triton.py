@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from pd_ssm.kernels.linear import linear_ref
-from pd_ssm.kernels.pdl import pdl_gate, use_pdl
+from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 
 MAX_ROWS = 256  # more rows than this: a real GEMM (cuBLAS) is the better tool
 
@@ -203,7 +203,7 @@ def skinny_linear_triton(
         _skinny_fma_kernel[(triton.cdiv(N, t.block_n), M)](
             x, weight, bias, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, BLOCK_N=t.block_n, BLOCK_K=t.block_k, NUM_STAGES=t.num_stages,
-            PDL=pdl, PRE_K=t.prefetch_k, num_warps=t.num_warps, launch_pdl=pdl,
+            PDL=pdl, PRE_K=t.prefetch_k, num_warps=t.num_warps, **launch_options(pdl),
         )
     else:
         t = tile or DOT_TILE

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pd_ssm.kernels.pdl import pdl_gate, use_pdl
+from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 from pd_ssm.kernels.ssd import NO_DT_LIMIT
 from pd_ssm.kernels.ssu import check_ssu_args
 
@@ -187,6 +187,6 @@ def launch_ssu(
             HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
             HAS_DT_LIMIT=(lo, hi) != NO_DT_LIMIT, SLOT_MAJOR=cfg.slot_major,
             EVICT="evict_first" if cfg.evict_first else "", BLOCK_P=cfg.block_p,
-            BLOCK_N=triton.next_power_of_2(N), PDL=pdl, num_warps=cfg.num_warps, launch_pdl=pdl,
+            BLOCK_N=triton.next_power_of_2(N), PDL=pdl, num_warps=cfg.num_warps, **launch_options(pdl),
         )
     return out

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from pd_ssm.kernels.mixer_decode_triton import mamba2_decode_step_triton
-from pd_ssm.kernels.pdl import use_pdl
+from pd_ssm.kernels.pdl import launch_options, use_pdl
 from pd_ssm.kernels.rmsnorm import RowRms
 from pd_ssm.kernels.rmsnorm_triton import add_rms_norm_triton
 from pd_ssm.kernels.skinny_linear_triton import FMA_TILE, LinearTile, skinny_linear_triton
@@ -24,6 +24,8 @@ PROJ = D_INNER + CONV_DIM + H
 
 def test_off_without_cuda_or_when_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not use_pdl(torch.randn(3))
+    # the launch option only when set: a Triton without it still launches every kernel
+    assert launch_options(False) == {} and launch_options(True) == {"launch_pdl": True}
     if CUDA:
         monkeypatch.setenv("PD_SSM_PDL", "0")
         assert not use_pdl(torch.randn(3, device="cuda"))
