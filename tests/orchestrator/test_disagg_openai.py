@@ -9,6 +9,7 @@ Afterwards no worker holds a page.
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,7 +39,8 @@ def reference(default_model: Path) -> LLM:
 
 @pytest.fixture
 def rng() -> random.Random:
-    seed = random.randrange(1 << 30)
+    # NOTE: PD_SSM_TEST_SEED replays a run's printed seed
+    seed = int(os.environ.get("PD_SSM_TEST_SEED") or random.randrange(1 << 30))
     print(f"rng seed {seed}")
     return random.Random(seed)
 
@@ -140,7 +142,9 @@ def test_stop_string_text_spans_both_workers(deployment: Serve, reference: LLM, 
     (held back on the prefill worker while a stop string might form) is not lost on the way."""
     client = _client(deployment)
     model = deployment.model_name()
-    for _ in range(20):  # the random default model's text is often broken UTF-8: find a clean piece
+    # NOTE: the random default model's text is often broken UTF-8: find a clean piece. About one run
+    # in four or five has one (rng seed 498498100 needs 23), so 20 runs failed ~1% of the time
+    for _ in range(200):
         prompt = random_text(rng)
         free = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
         head = reference.get_tokenizer().decode([free.token_ids[0]])
@@ -150,7 +154,7 @@ def test_stop_string_text_spans_both_workers(deployment: Serve, reference: LLM, 
         if starts and head and "\ufffd" not in head and free.text.startswith(head):
             break
     else:
-        pytest.fail("20 free runs without a whole first character and a clean two-character piece after it")
+        pytest.fail("200 free runs without a whole first character and a clean two-character piece after it")
     stop = free.text[(k := rng.choice(starts)):k + 2]
     kwargs: dict[str, Any] = dict(model=model, prompt=prompt, max_tokens=24, temperature=0, stop=[stop],
                                   extra_body={"ignore_eos": True})
