@@ -23,6 +23,17 @@ torch.set_num_threads(min(4, os.cpu_count() or 1))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded tiny hybrid's random checkpoint on disk (default_model.write_checkpoint), once per
+    module: the worker and role tests build their engines from it."""
+    from pd_ssm.default_model import write_checkpoint
+
+    path = tmp_path_factory.mktemp("tiny")
+    write_checkpoint(path)
+    return path
+
+
 CHUNK = 16
 
 # name -> (HF class name, config kwargs).  Chunk size 16 so that prompts of a few dozen tokens

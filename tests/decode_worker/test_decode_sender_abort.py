@@ -14,18 +14,10 @@ import pytest
 
 from pd_ssm.control.disagg_messages import ReserveReply, ReserveRequest, TransferReport
 from pd_ssm.decode_worker.role import DecodeRole
-from pd_ssm.default_model import write_checkpoint
 from pd_ssm.prefill_worker.role import ticket_of
 from pd_ssm.state_transfer.zmq_connector import ZmqConfig, ZmqConnector
 from tests.decode_worker.test_disagg_roles import TOKEN, _clean, _decode_role, _engine
 from tests.state_transfer.test_zmq_connector import _corrupt, _flat, _raw_send, make_pages
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny")
-    write_checkpoint(path)
-    return path
 
 
 @pytest.fixture

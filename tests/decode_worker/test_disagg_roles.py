@@ -25,7 +25,6 @@ from pd_ssm.control.disagg_messages import (
 from pd_ssm.control.messages import AbortRequest, StepOutputs
 from pd_ssm.decode_worker.receivers import Receiver, Receivers
 from pd_ssm.decode_worker.role import DecodeRole
-from pd_ssm.default_model import write_checkpoint
 from pd_ssm.engine.engine import Engine
 from pd_ssm.prefill_worker.role import PrefillRole
 from pd_ssm.state_transfer.reservations import ReservationTable
@@ -33,13 +32,6 @@ from pd_ssm.state_transfer.zmq_connector import ZmqConfig, ZmqConnector
 from pd_ssm.worker.engine_worker import delta_from_output
 
 TOKEN = "test-token"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny")
-    write_checkpoint(path)
-    return path
 
 
 def _engine(model_dir: Path, slots: int) -> Engine:

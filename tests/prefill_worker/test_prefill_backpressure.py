@@ -25,18 +25,10 @@ from pd_ssm.control.disagg_messages import (
     TransferReport,
 )
 from pd_ssm.control.messages import AbortRequest
-from pd_ssm.default_model import write_checkpoint
 from pd_ssm.prefill_worker.role import PrefillRole
 from pd_ssm.state_transfer.zmq_connector import ZmqConfig, ZmqConnector
 from pd_ssm.worker.engine_worker import delta_from_output
 from tests.decode_worker.test_disagg_roles import TOKEN, _clean, _decode_role, _engine
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny")
-    write_checkpoint(path)
-    return path
 
 
 def test_max_unsent_defers_admits_ticketed_first_and_keeps_the_tokens(model_dir: Path) -> None:

@@ -10,20 +10,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from pd_ssm import LLM, SamplingParams
 from pd_ssm.control.messages import TokenDelta
-from pd_ssm.default_model import write_checkpoint
 from pd_ssm.router.workers import StreamFailure, WorkerPool, WorkerStatus
 from pd_ssm.worker.engine_worker import EngineWorker, WorkerConfig
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny")
-    write_checkpoint(path)
-    return path
 
 
 def _llm(model_dir: Path) -> LLM:
