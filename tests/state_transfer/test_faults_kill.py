@@ -154,6 +154,9 @@ def _same(a: StatePages, b: StatePages) -> bool:
     return True
 
 
+# NOTE (_FRESH_QUEUE): a process SIGKILLed after it used a multiprocessing Queue may die holding the queue's write
+# lock (its feeder thread releases it after the bytes are out, and the reader can take "warm" before
+# that): the restarted peer reports on a fresh queue, or its put may never go out
 def test_nccl_receiver_killed_mid_transfer() -> None:
     seen: queue.Queue[str] = SPAWN.Queue()
     rendezvous = f"tcp://127.0.0.1:{free_port()}"
@@ -177,6 +180,7 @@ def test_nccl_receiver_killed_mid_transfer() -> None:
         proc.kill()
         proc.join()
     rendezvous = f"tcp://127.0.0.1:{free_port()}"  # a new decode worker
+    seen = SPAWN.Queue()  # not the killed receiver's (_FRESH_QUEUE)
     with spawned(_nccl_receiver, rendezvous, seen) as proc:
         tx.pair(rendezvous)
         tx.send(make_pages("after", torch.bfloat16, seed=3), ticket(tx, "after"))
@@ -309,6 +313,7 @@ def test_zmq_receiver_killed_mid_transfer() -> None:
             proc.kill()
             proc.join()
         ready.clear()
+        seen = SPAWN.Queue()  # not the killed receiver's (_FRESH_QUEUE)
         with spawned(_zmq_receiver, address, seen, ready):  # restarted at the same address: ZMQ reconnects
             assert ready.wait(15.0)
             tx.send(make_pages("after", torch.bfloat16, seed=3), _zmq_ticket(address, "after"))
