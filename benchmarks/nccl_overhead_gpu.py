@@ -6,7 +6,8 @@
   connector     NcclConnector.send + flush / recv (pack, checksums, metadata over ZMQ)
   connector_x8  8 requests back to back (coalesced: the first alone, the rest in messages of up to
                 coalesce_bytes, 512 MB); connector_x8_<variant> the same with another cap (1: one
-                request a message) or bf16 state pages (86 MB a request)
+                request a message) or bf16 state pages (86 MB a request); env X8_CAPS
+                ("bf16:1,fp32:180000000,...") names the variants instead
   phases        the connector's receive split: control read -> recv posted -> bytes in -> checked
 
     python benchmarks/nccl_overhead_gpu.py      # prints medians (ms), writes $OUT/nccl_overhead.json
@@ -149,9 +150,13 @@ def run(rank: int, port: int, q: Any, rq: Any) -> None:
     bf16_pages = StatePages(bf16.request, runs=[PageRun(r.kind, r.name, r.layers, r.stacked.to(dev)) for r in bf16.runs])
     first = (REPS + 2) * 9  # the next request id number, the same on both ranks
     default_cap = 512 << 20
-    for label, variant, cap in (("one_per_message", pages, 1), ("cap256MB", pages, 256 << 20),
-                                ("cap1GB", pages, 1 << 30), ("bf16", bf16_pages, default_cap),
-                                ("bf16_one_per_message", bf16_pages, 1), ("bf16_cap256MB", bf16_pages, 256 << 20)):
+    variants = [("one_per_message", pages, 1), ("cap256MB", pages, 256 << 20),
+                ("cap1GB", pages, 1 << 30), ("bf16", bf16_pages, default_cap),
+                ("bf16_one_per_message", bf16_pages, 1), ("bf16_cap256MB", bf16_pages, 256 << 20)]
+    if os.environ.get("X8_CAPS"):  # e.g. "bf16:1,bf16:180000000,fp32:512000000": these instead
+        variants = [(f"{d}_cap{c}", bf16_pages if d == "bf16" else pages, int(c))
+                    for d, c in (v.split(":") for v in os.environ["X8_CAPS"].split(","))]
+    for label, variant, cap in variants:
         x8_pages[0] = variant
         if rank == 0:
             assert conn._tx is not None
