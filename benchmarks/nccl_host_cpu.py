@@ -9,6 +9,8 @@ threads, gloo's included: the host work, robust to a busy machine, which wall ti
 
     python benchmarks/nccl_host_cpu.py [--n 8] [--reps 30] [--pages mamba2|hybrid] [--layers 64] [--coalesce-bytes 1]
 
+env PROFILE_DIR=<dir>: each side's timed rounds run under cProfile, stats in <dir>/{sender,receiver}.prof.
+
 `--layers`: layers per request (tiny tensors each); 64 is Mamba2-2.7B's count, what a run
 header's layer list and the per-layer work scale with.
 
@@ -18,9 +20,11 @@ Prints microseconds per request (JSON).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -34,6 +38,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 TOKEN = "host-cpu"
 
 
+def _profiler() -> cProfile.Profile | None:
+    return cProfile.Profile() if os.environ.get("PROFILE_DIR") else None
+
+
+def _dump(prof: cProfile.Profile | None, role: str) -> None:
+    if prof is not None:
+        prof.dump_stats(str(Path(os.environ["PROFILE_DIR"]) / f"{role}.prof"))
+
+
 def _sender(rendezvous: str, kind: str, layers: int, n: int, reps: int, coalesce: int, go: Any, out: Any) -> None:
     from pd_ssm.bench.transfer import PageShape, make_pages, renamed
     from pd_ssm.state_transfer.base import Ticket
@@ -43,8 +56,11 @@ def _sender(rendezvous: str, kind: str, layers: int, n: int, reps: int, coalesce
     tx = NcclConnector(NcclConfig(TOKEN, rendezvous, timeout=30, send_timeout=30, coalesce_bytes=coalesce))
     assert tx.address is not None
     starts, sends, cpu = [], [], []
+    prof = _profiler()
     for r in range(reps + 1):
         go.get()  # the receiver reserved this round's requests
+        if prof is not None and r == 1:
+            prof.enable()
         c0 = time.process_time()
         t0 = time.perf_counter()
         for j in range(n):
@@ -55,6 +71,9 @@ def _sender(rendezvous: str, kind: str, layers: int, n: int, reps: int, coalesce
         assert tx.flush(30), tx.get_failed()
         tx.get_finished()
         cpu.append(time.process_time() - c0)
+    if prof is not None:
+        prof.disable()
+    _dump(prof, "sender")
     out.put(("sender", (starts[1:], sends[1:], cpu[1:])))
     go.get()
     tx.close()
@@ -71,16 +90,22 @@ def _receiver(kind: str, n: int, reps: int, go: Any, out: Any, rq: Any) -> None:
     while not rx.paired:
         rx.recv(timeout=0.05)
     ends, cpu = [], []
+    prof = _profiler()
     for r in range(reps + 1):
         for j in range(n):
             table.reserve(f"h{r}-{j}", rx.address or "", slot=0)
         go.put(r)
+        if prof is not None and r == 1:
+            prof.enable()
         c0 = time.process_time()
         got = [rx.recv(timeout=30) for _ in range(n)]
         ends.append(time.perf_counter())  # CLOCK_MONOTONIC: comparable with the sender's
         cpu.append(time.process_time() - c0)
         assert all(g is not None for g in got), rx.get_failed()
         rx.get_finished()
+    if prof is not None:
+        prof.disable()
+    _dump(prof, "receiver")
     out.put(("receiver", (ends[1:], cpu[1:])))
     go.put(None)
     rx.close()

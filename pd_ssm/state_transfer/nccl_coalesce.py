@@ -1,10 +1,11 @@
 """Coalescer: which requests the NCCL sender puts into one data message (nccl_batch.py says why).
 
 Pure bookkeeping, no tensors: the requests `send` took while the link was busy, in order, and
-their bytes. A request that would take the held bytes past `cap` first sends the held ones on
-their way (`add` returns them), so a message stays within the cap unless one request alone is
-larger. The sender takes everything held when the link is idle or at its next call that is not
-a `send`.
+their bytes. Held requests go out as one message as soon as they reach `cap` bytes (`add` returns
+them), not when the next one would pass it: a message that waits for one more request leaves the
+link idle meanwhile. A request that would take the held bytes past `limit` (what the receiver
+takes in one message) first sends the held ones on their way. The sender takes everything held
+when the link is idle or at its next call that is not a `send`.
 """
 
 from __future__ import annotations
@@ -24,10 +25,14 @@ class Queued:
 
 
 class Coalescer:
-    def __init__(self, cap: int) -> None:
-        if cap <= 0:
-            raise ValueError(f"coalescing cap must be > 0 bytes, got {cap}")
+    def __init__(self, cap: int, limit: int | None = None) -> None:
+        """`cap`: held bytes that make a message; `limit` (>= cap; None: cap): the most a message
+        of several requests may hold."""
+        limit = cap if limit is None else limit
+        if cap <= 0 or limit < cap:
+            raise ValueError(f"coalescing needs 0 < cap <= limit, got cap={cap} limit={limit}")
         self.cap = cap
+        self.limit = limit
         self._held: list[Queued] = []
         self._bytes = 0  # NOTE: == sum(q.nbytes for q in self._held)
 
@@ -38,13 +43,15 @@ class Coalescer:
     def req_ids(self) -> list[str]:
         return [q.pages.req_id for q in self._held]
 
-    def add(self, item: Queued) -> list[Queued]:
-        """Hold `item`; returns the requests held before it if it would take them past the cap
-        (they must go out first, as one message), else []."""
-        full = self.take() if self._held and self._bytes + item.nbytes > self.cap else []
+    def add(self, item: Queued) -> list[list[Queued]]:
+        """Hold `item`; returns the messages to post now, in order: the requests held before it if
+        it would take them past `limit`, then everything held if it reached `cap`."""
+        ready = [self.take()] if self._held and self._bytes + item.nbytes > self.limit else []
         self._held.append(item)
         self._bytes += item.nbytes
-        return full
+        if self._bytes >= self.cap:
+            ready.append(self.take())
+        return ready
 
     def take(self) -> list[Queued]:
         """Everything held, in order; none is held after."""

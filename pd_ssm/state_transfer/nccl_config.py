@@ -23,9 +23,11 @@ class NcclConfig:
     # receiver: the largest message it allocates for (a 2.7B request is 0.17 GB; long hybrid KV more)
     max_message_bytes: int = 64 << 30
     # sender: requests held while the link is busy go out as one message once they reach this many
-    # tensor bytes (nccl_batch.py): 3 fp32 / 5 bf16 Mamba2-2.7B requests; a larger request goes
-    # alone. Capped by max_message_bytes too (block padding and the sums trailer, ~0.01%, on top)
-    coalesce_bytes: int = 512 << 20
+    # tensor bytes (nccl_batch.py): 2 fp32 / 3 bf16 Mamba2-2.7B requests, a message's link time
+    # (~0.75 ms) above the hosts' per-message work, small enough that laying it out does not idle
+    # the link (RESULTS.md session 7). A message of several never passes max_message_bytes (block
+    # padding and the sums trailer, ~0.01%, on top)
+    coalesce_bytes: int = 256 << 20
     backend: str = field(init=False, default="")
 
     def __post_init__(self) -> None:

@@ -63,7 +63,7 @@ class NcclSender:
         self._probe: dist.TCPStore | None = None  # the receiver's store, with a short timeout
         # taken by `send`, not posted yet: the next message's requests. NOTE: within both caps, so
         # a coalesced message never exceeds what the receiver takes
-        self._held = Coalescer(min(config.coalesce_bytes, config.max_message_bytes))
+        self._held = Coalescer(min(config.coalesce_bytes, config.max_message_bytes), config.max_message_bytes)
         self._layouts: Layouts = Memo(_MEMO_ENTRIES)  # run headers by (layout, offset): they repeat
         self._pending: deque[OutMessage] = deque()  # p2p sends posted; they complete in posting order
         self._lost = "peer lost"  # why the last pairing went (a request held meanwhile fails with it)
@@ -113,9 +113,8 @@ class NcclSender:
                 f"ticket of {ticket.req_id!r} names {ticket.address}, but this connector is paired with "
                 f"the receiver at {self.address}: one NcclConnector per receiver"
             )
-        full = self._held.add(Queued(pages, time.monotonic(), pages.nbytes()))
-        if full:
-            self._post(full)  # the held ones go, this one starts the next message
+        for message in self._held.add(Queued(pages, time.monotonic(), pages.nbytes())):
+            self._post(message)
         if not self._link_busy():
             self._post(self._held.take())
 
