@@ -100,13 +100,16 @@ def _add_bench_engine(bench: argparse._SubParsersAction) -> None:
 def _add_bench_transfer(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser("transfer", help="state-transfer connectors vs raw socket / send-recv in the same run (CPU or CUDA)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: NCCL between cuda:0 and cuda:1")
-    p.add_argument("--connectors", default="zmq,nccl,stream", help="comma-separated: zmq, nccl, stream")
+    p.add_argument("--connectors", default="zmq,nccl,stream",
+                   help="comma-separated: zmq, nccl, stream (zmq layer-wise during a prefill), stream-nccl")
     p.add_argument("--pages", default="mamba2,hybrid", help="comma-separated: mamba2, hybrid")
     p.add_argument("--dtypes", default="float32,bfloat16", help="SSM state dtypes, comma-separated")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--in-flight", type=int, default=8, help="nccl: requests posted back to back in a timed run")
     p.add_argument("--stream-model", default=None, help="default: Mamba2-2.7B shape (dummy) on CUDA, tiny on CPU")
     p.add_argument("--stream-tokens", type=int, default=2048)
+    p.add_argument("--stream-bytes", type=int, default=None,
+                   help="nccl streaming: bytes of layers a part message holds (default NcclConfig's, 32 MiB; --tiny: 4 KiB)")
     p.add_argument("--tiny", action="store_true", help="tiny page shapes (smoke tests)")
     p.add_argument("--json", default=None, metavar="FILE", help="write every figure to FILE")
     p.set_defaults(func=_bench_transfer)
@@ -119,6 +122,7 @@ def _bench_transfer(args: argparse.Namespace) -> int:
         connectors=args.connectors.split(","), kinds=args.pages.split(","), dtypes=args.dtypes.split(","),
         shape=transfer.PageShape.tiny() if args.tiny else transfer.PageShape(), repeats=args.repeats, device=args.device,
         in_flight=args.in_flight, stream_model=args.stream_model, stream_tokens=args.stream_tokens,
+        stream_bytes=args.stream_bytes if args.stream_bytes is not None else (4096 if args.tiny else None),
     )
     result = transfer.run_transfer_bench(opts, on_row=lambda r: print(
         f"[bench] {r['connector']} {r['pages']} {r['state_dtype']}: {r['gbps']:.2f} GB/s ({r['ratio']:.2f}x baseline)",

@@ -8,9 +8,11 @@
           against raw torch.distributed send/recv of one request's bytes as one message
           (transfer_p2p.py): the connector with `in_flight` requests posted back to back (the
           row's GB/s and ratio; target >= 80%), and one request alone (its latency, in the JSON
-          and after the table).
+          and after the table); row "nccl-stream": the same requests streamed layer by layer
+          (parts of `NcclConfig.stream_bytes`), against the same raw figure (target >= 80%).
   stream  layer-wise streaming of a real engine prefill into a ZmqConnector: prefill time,
-          transfer time and how much of the transfer hid behind the prefill (transfer_stream.py).
+          transfer time and how much of the transfer hid behind the prefill (transfer_stream.py);
+          `stream-nccl` the same into an NcclConnector streaming in part messages.
 
 Pages: `mamba2` = Mamba2-2.7B (64 SSM layers, conv [5376, 3] in bf16, SSM [80, 64, 128] in the
 state dtype); `hybrid` = the same with every 8th layer attention instead (56 SSM + 8 attention
@@ -62,10 +64,11 @@ class TransferBenchOptions:
     device: str = "cpu"  # cpu: gloo for nccl, a tiny engine for stream; cuda: NCCL, the 2.7B shape
     stream_model: str | None = None  # None: Mamba2-2.7B shape (dummy weights) on CUDA, tiny on CPU
     stream_tokens: int = 2048
+    stream_bytes: int | None = None  # nccl: part size when streaming (None: NcclConfig's)
     timeout: float = 120.0
 
     def __post_init__(self) -> None:
-        unknown = set(self.connectors) - {"zmq", "nccl", "stream"} | set(self.kinds) - {"mamba2", "hybrid"}
+        unknown = set(self.connectors) - {"zmq", "nccl", "stream", "stream-nccl"} | set(self.kinds) - {"mamba2", "hybrid"}
         if unknown or not set(self.dtypes) <= {"float32", "bfloat16"}:
             raise ValueError(f"bench transfer: unknown connector / page kind / dtype in {self}")
         if self.repeats < 1 or self.chunk < 1 or self.in_flight < 1:
@@ -141,18 +144,27 @@ def run_transfer_bench(opts: TransferBenchOptions, on_row: Callable[[dict[str, A
             if "nccl" in opts.connectors:
                 from pd_ssm.bench.transfer_p2p import p2p_gbps
 
-                g = p2p_gbps(kind, dtype_name, opts.shape, opts.device, opts.repeats, opts.timeout, opts.in_flight)
+                g = p2p_gbps(kind, dtype_name, opts.shape, opts.device, opts.repeats, opts.timeout, opts.in_flight,
+                             opts.stream_bytes)
                 # NOTE: the target row is the connector under load (requests back to back); one
                 # request alone is its latency, fixed per-request costs included (transfer_p2p.py)
                 add(dict(base, connector="nccl", baseline="dist send/recv", gbps=g["in_flight"],
                          baseline_gbps=g["raw"], ratio=g["in_flight"] / g["raw"], target=NCCL_TARGET,
                          in_flight=opts.in_flight, one_gbps=g["one"], one_ratio=g["one"] / g["raw"]))
+                add(dict(base, connector="nccl-stream", baseline="dist send/recv", gbps=g["streamed"],
+                         baseline_gbps=g["raw"], ratio=g["streamed"] / g["raw"], target=NCCL_TARGET,
+                         in_flight=opts.in_flight))
     stream: dict[str, Any] | None = None
-    if "stream" in opts.connectors:
+    stream_nccl: dict[str, Any] | None = None
+    if "stream" in opts.connectors or "stream-nccl" in opts.connectors:
         from pd_ssm.bench.transfer_stream import stream_overlap
 
-        stream = stream_overlap(opts.stream_model, opts.device, opts.stream_tokens, opts.repeats, opts.timeout)
-    return {"device": opts.device, "repeats": opts.repeats, "rows": rows, "stream": stream}
+        if "stream" in opts.connectors:
+            stream = stream_overlap(opts.stream_model, opts.device, opts.stream_tokens, opts.repeats, opts.timeout)
+        if "stream-nccl" in opts.connectors:
+            stream_nccl = stream_overlap(opts.stream_model, opts.device, opts.stream_tokens, opts.repeats,
+                                         opts.timeout, connector="nccl")
+    return {"device": opts.device, "repeats": opts.repeats, "rows": rows, "stream": stream, "stream_nccl": stream_nccl}
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -170,11 +182,13 @@ def format_table(result: dict[str, Any]) -> str:
                 f"  nccl {r['pages']} {r['state_dtype']}: {r['in_flight']} requests back to back {r['gbps']:.1f} GB/s; "
                 f"one request alone {r['one_gbps']:.1f} GB/s ({r['one_ratio']:.2f}x raw: its latency)"
             )
-    s = result.get("stream")
-    if s:
+    for key, via in (("stream", "zmq"), ("stream_nccl", "nccl")):
+        s = result.get(key)
+        if not s:
+            continue
         lines.append("")
         lines.append(
-            f"layer-wise streaming ({s['model']}, {s['tokens']} tokens, {s['mbytes']:.1f} MB): prefill "
+            f"layer-wise streaming over {via} ({s['model']}, {s['tokens']} tokens, {s['mbytes']:.1f} MB): prefill "
             f"{s['prefill_ms']:.1f} ms, transfer {s['transfer_ms']:.1f} ms, overlap {s['overlap_ms']:.1f} ms "
             f"({100 * s['hidden']:.0f}% hidden), {s['exposed_ms']:.1f} ms left after the prefill vs "
             f"{s['whole_send_ms']:.1f} ms for a whole send; prefill start -> pages in: streamed "

@@ -12,12 +12,17 @@ synchronized):
              coalesced into messages of up to `coalesce_bytes` (nccl_batch.py), and the receiver
              posts the next recv while it checks one, so fixed per-message costs are shared and
              overlap the link; GB/s counts all their bytes
+  streamed   the same `in_flight` requests streamed layer by layer, as a streaming prefill worker
+             hands them over: `send_layers` once per layer (the connector sends parts of
+             `stream_bytes`), then the final `send` with no layer left -- the link's rate when
+             every request travels in parts (no compute in between: what the parts cost)
 
 The first connector run is checked byte for byte against the pages the sender made.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import socket
 import statistics
@@ -32,7 +37,8 @@ from pd_ssm.cache.pages import PageRun, StatePages
 
 
 def p2p_gbps(
-    kind: str, dtype: str, shape: PageShape, device: str, repeats: int, timeout: float, in_flight: int = 8
+    kind: str, dtype: str, shape: PageShape, device: str, repeats: int, timeout: float, in_flight: int = 8,
+    stream_bytes: int | None = None,
 ) -> dict[str, float]:
     """GB/s of "raw", "one" and "in_flight" (module docstring), medians of `repeats` runs after a warm-up."""
     if device == "cuda" and torch.cuda.device_count() < 2:
@@ -45,7 +51,7 @@ def p2p_gbps(
         port = s.getsockname()[1]
     args = (kind, dtype, shape, device, repeats, timeout, in_flight, port)
     procs = [ctx.Process(target=_receiver, args=(*args, to_sender, results)),
-             ctx.Process(target=_sender, args=(*args, to_sender))]
+             ctx.Process(target=_sender, args=(*args, to_sender, stream_bytes))]
     for p in procs:
         p.start()
     try:
@@ -63,6 +69,7 @@ def p2p_gbps(
         "raw": nbytes / statistics.median(times["raw"]) / 1e9,
         "one": nbytes / statistics.median(times["one"]) / 1e9,
         "in_flight": in_flight * nbytes / statistics.median(times["in_flight"]) / 1e9,
+        "streamed": in_flight * nbytes / statistics.median(times["streamed"]) / 1e9,
     }
 
 
@@ -84,7 +91,7 @@ def _sync(dev: torch.device) -> None:
 
 
 def _sender(kind: str, dtype: str, shape: PageShape, device: str, repeats: int, timeout: float, in_flight: int,
-            port: int, to_sender: Any) -> None:
+            port: int, to_sender: Any, stream_bytes: int | None) -> None:
     from pd_ssm.state_transfer.base import Ticket
     from pd_ssm.state_transfer.nccl_connector import NcclConfig, NcclConnector
 
@@ -95,7 +102,10 @@ def _sender(kind: str, dtype: str, shape: PageShape, device: str, repeats: int, 
     pages = StatePages(host.request, runs=runs)  # on the device, as export_pages leaves them
     flat = torch.cat([r.stacked.reshape(-1).view(torch.uint8) for r in runs])
     rendezvous = to_sender.get(timeout=timeout)
-    tx = NcclConnector(NcclConfig(TOKEN, rendezvous, device=str(dev), timeout=timeout, send_timeout=timeout))
+    config = NcclConfig(TOKEN, rendezvous, device=str(dev), timeout=timeout, send_timeout=timeout, stream_layers=True)
+    if stream_bytes is not None:
+        config.stream_bytes = stream_bytes
+    tx = NcclConnector(config)
     _join_default_group(device, 0, port, timeout)
     for _ in range(repeats + 1):
         dist.barrier()
@@ -110,6 +120,17 @@ def _sender(kind: str, dtype: str, shape: PageShape, device: str, repeats: int, 
                 tx.send(req, Ticket(req.req_id, tx.address, 0, [], time.monotonic() + timeout, TOKEN))
             if not tx.flush(timeout):
                 raise RuntimeError(f"nccl bench: sends of run {i} did not complete in {timeout} s: {tx.get_failed()}")
+    layers = list(StatePages(host.request, runs=runs).layers.values())  # per-layer views, as the engine hands them
+    for i in range(repeats + 1):
+        dist.barrier()
+        for j in range(in_flight):
+            rid = f"p2p-s-{i}-{j}"
+            ticket = Ticket(rid, tx.address, 0, [], time.monotonic() + timeout, TOKEN)
+            for layer in layers:
+                tx.send_layers(ticket, [layer])
+            tx.send(StatePages(dataclasses.replace(host.request, req_id=rid)), ticket)
+        if not tx.flush(timeout):
+            raise RuntimeError(f"nccl bench: streamed run {i} did not complete in {timeout} s: {tx.get_failed()}")
     dist.barrier()
     tx.close()
     dist.destroy_process_group()
@@ -150,10 +171,10 @@ def _receive(kind: str, dtype: str, shape: PageShape, device: str, repeats: int,
         _sync(dev)
         raw.append(time.perf_counter() - t0)
     times: dict[str, list[float]] = {"raw": raw[1:]}
-    for n, key in ((1, "one"), (in_flight, "in_flight")):
+    for n, key in ((1, "one"), (in_flight, "in_flight"), (in_flight, "streamed")):
         runs: list[float] = []
         for i in range(repeats + 1):
-            ids = [f"p2p-{n}-{i}-{j}" for j in range(n)]
+            ids = [f"p2p-s-{i}-{j}" if key == "streamed" else f"p2p-{n}-{i}-{j}" for j in range(n)]
             for req_id in ids:
                 table.reserve(req_id, rx.address or "", slot=0)
             dist.barrier()
@@ -166,6 +187,9 @@ def _receive(kind: str, dtype: str, shape: PageShape, device: str, repeats: int,
                 raise RuntimeError(f"nccl bench: run {i} of {n}: a request did not arrive: {rx.get_failed()}")
             if i == 0:
                 check_same(expect, first)
+                last = got[-1]
+                assert last is not None
+                check_same(expect, last)
         times[key] = runs[1:]
     dist.barrier()
     rx.close()

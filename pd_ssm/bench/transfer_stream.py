@@ -1,8 +1,9 @@
 """`bench transfer`, stream part: how much of the transfer layer-wise streaming hides behind prefill.
 
 A prefill engine (`Engine.stream_prefills_to`) ships a request of `tokens` random tokens through
-a ConnectorSink into a ZmqConnector whose receiver runs in a spawned process of its own, as a
-decode worker does (a receiving thread here would take the GIL from the host-bound eager forward
+a ConnectorSink into a ZmqConnector -- or, `connector="nccl"`, an NcclConnector streaming in part
+messages (NcclConfig.stream_layers; cuda:0 -> cuda:1 on CUDA, gloo on the CPU) -- whose receiver
+runs in a spawned process of its own, as a decode worker does (a receiving thread here would take the GIL from the host-bound eager forward
 it is meant to overlap: 180.8 ms streamed against 98.5 ms sequential on the H200, RESULTS.md
 session 4). Per run:
 
@@ -14,6 +15,8 @@ session 4). Per run:
   whole send without streaming: the exported request's one send -> received
   streamed total     prefill start -> request received, with streaming
   sequential total   the same on a second engine without streaming: prefill, export, one send
+                     (NCCL: that engine runs its prefill in CUDA graphs, as the NCCL path does by
+                     default; streaming needs the per-layer hooks of the eager forward)
 
 Default model: Mamba2-2.7B shapes with dummy weights on CUDA (bench/engine.py's config), the
 embedded tiny hybrid on the CPU. Medians over the runs after one warm-up.
@@ -37,6 +40,7 @@ from pd_ssm.cache.pages import LayerPages, RequestState, StatePages
 from pd_ssm.engine.engine import Engine
 from pd_ssm.sampling_params import SamplingParams
 from pd_ssm.state_transfer.connector_sink import ConnectorSink
+from pd_ssm.state_transfer.nccl_connector import NcclConfig, NcclConnector
 from pd_ssm.state_transfer.zmq_connector import ZmqConfig, ZmqConnector
 
 TOKEN = "bench-stream"
@@ -64,35 +68,52 @@ class _TimedSink:
         self.inner.cancel(req_id)
 
 
-def _engine(model: str, device: str, tokens: int, dummy: bool) -> Engine:
+def _engine(model: str, device: str, tokens: int, dummy: bool, eager: bool = True) -> Engine:
     from pd_ssm import LLM
 
     return LLM(model=model, device=device, load_format="dummy" if dummy else "auto", max_num_seqs=4,
                max_num_batched_tokens=tokens, max_model_len=tokens + 16, num_kv_blocks=4 * (tokens // 16 + 2),
-               gpu_memory_utilization=0.4, enforce_eager=True).engine
+               gpu_memory_utilization=0.4, enforce_eager=eager).engine
 
 
-def stream_overlap(model: str | None, device: str, tokens: int, repeats: int, timeout: float) -> dict[str, Any]:
+def stream_overlap(model: str | None, device: str, tokens: int, repeats: int, timeout: float,
+                   connector: str = "zmq") -> dict[str, Any]:
+    if connector not in ("zmq", "nccl"):
+        raise ValueError(f"bench stream: connector must be zmq or nccl, got {connector!r}")
     if model is not None or device != "cuda":
-        return _measure(model, device, tokens, repeats, timeout, dummy=False)
+        return _measure(model, device, tokens, repeats, timeout, connector, dummy=False)
     from pd_ssm.bench.engine import MAMBA2_2_7B
 
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(MAMBA2_2_7B))
-        return _measure(tmp, device, tokens, repeats, timeout, dummy=True, name="mamba2-2.7b (dummy)")
+        return _measure(tmp, device, tokens, repeats, timeout, connector, dummy=True, name="mamba2-2.7b (dummy)")
 
 
-def _measure(model: str | None, device: str, tokens: int, repeats: int, timeout: float, dummy: bool,
-             name: str | None = None) -> dict[str, Any]:
+def _sender(connector: str, device: str, peer: _Peer, timeout: float) -> ZmqConnector | NcclConnector:
+    if connector == "zmq":
+        return ZmqConnector(ZmqConfig(TOKEN, send_timeout=timeout))
+    rendezvous = peer.recv()  # the receiving process hosts the pairing
+    dev = "cuda:0" if device == "cuda" else "cpu"
+    return NcclConnector(NcclConfig(TOKEN, rendezvous, device=dev, timeout=timeout, send_timeout=timeout,
+                                    stream_layers=True))
+
+
+def _measure(model: str | None, device: str, tokens: int, repeats: int, timeout: float, connector: str,
+             dummy: bool, name: str | None = None) -> dict[str, Any]:
     if model is None:
         from pd_ssm.default_model import random_model_dir
 
         model = str(random_model_dir())  # the tiny hybrid: this measures transfer, not text
-    streaming, plain = _engine(model, device, tokens, dummy), _engine(model, device, tokens, dummy)
+    nccl = connector == "nccl"
+    streaming = _engine(model, device, tokens, dummy)
+    plain = _engine(model, device, tokens, dummy, eager=not (nccl and device == "cuda"))
     runs: list[dict[str, float]] = []
     mbytes = 0.0
-    with _Peer(_stream_receiver, (timeout,), timeout) as peer, ZmqConnector(ZmqConfig(TOKEN, send_timeout=timeout)) as tx:
+    with _Peer(_stream_receiver, (timeout, connector, device), timeout) as peer, \
+            _sender(connector, device, peer, timeout) as tx:
         sink = _TimedSink(ConnectorSink(tx))
+        if not sink.inner.streams:
+            raise RuntimeError(f"bench stream: the {connector} connector does not stream layer by layer")
         streaming.stream_prefills_to(sink)
         g = torch.Generator().manual_seed(0)
         for i in range(repeats + 1):
@@ -101,11 +122,11 @@ def _measure(model: str | None, device: str, tokens: int, repeats: int, timeout:
             runs.append(run)
     keys = runs[0].keys()
     med = {k: statistics.median(r[k] for r in runs[1:]) for k in keys}
-    return dict(model=name or Path(model).name, tokens=tokens, mbytes=mbytes, runs=repeats,
+    return dict(model=name or Path(model).name, tokens=tokens, mbytes=mbytes, runs=repeats, connector=connector,
                 hidden=med["overlap_ms"] / med["transfer_ms"] if med["transfer_ms"] > 0 else 0.0, **med)
 
 
-def _one_run(streaming: Engine, plain: Engine, sink: _TimedSink, tx: ZmqConnector, peer: _Peer,
+def _one_run(streaming: Engine, plain: Engine, sink: _TimedSink, tx: ZmqConnector | NcclConnector, peer: _Peer,
              prompt: list[int], rid: str, timeout: float) -> tuple[dict[str, float], float]:
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     # streamed: layers leave while the forward runs
@@ -148,14 +169,26 @@ def _one_run(streaming: Engine, plain: Engine, sink: _TimedSink, tx: ZmqConnecto
     return run, mbytes
 
 
-def _stream_receiver(conn: Connection, timeout: float) -> None:
+def _stream_receiver(conn: Connection, timeout: float, connector: str = "zmq", device: str = "cpu") -> None:
     """The stream bench's receiving process: per (request id, slot) it reserves the slot, answers
     the ticket, receives the request and answers (perf_counter when it was whole and checked, a
-    digest of its bytes in layer order, MB); perf_counter is one clock for every process."""
+    digest of its bytes in layer order, MB); perf_counter is one clock for every process. NCCL:
+    it first answers its rendezvous and pairs with the sender (on cuda:1 on CUDA)."""
     from pd_ssm.state_transfer.reservations import ReservationTable
 
     table = ReservationTable(ttl=timeout, token=TOKEN)
-    with ZmqConnector(ZmqConfig(TOKEN, send_timeout=timeout), bind="tcp://127.0.0.1:0", reservations=table) as rx:
+    rx: ZmqConnector | NcclConnector
+    if connector == "zmq":
+        rx = ZmqConnector(ZmqConfig(TOKEN, send_timeout=timeout), bind="tcp://127.0.0.1:0", reservations=table)
+    else:
+        dev = "cuda:1" if device == "cuda" else "cpu"
+        rx = NcclConnector(NcclConfig(TOKEN, "tcp://127.0.0.1:0", device=dev, timeout=timeout),
+                           bind="tcp://127.0.0.1:0", reservations=table)
+        conn.send(rx.rendezvous)
+        end = time.monotonic() + timeout
+        while not rx.paired and time.monotonic() < end:
+            rx.recv(timeout=0.05)
+    with rx:
         assert rx.address is not None
         while (msg := conn.recv()) is not None:
             req_id, slot = msg
@@ -168,5 +201,5 @@ def _stream_receiver(conn: Connection, timeout: float) -> None:
             for idx in sorted(pages.layers):
                 for tname, t in sorted(pages.layers[idx].tensors.items()):
                     digest.update(tname.encode())
-                    digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+                    digest.update(t.contiguous().view(torch.uint8).cpu().numpy().tobytes())
             conn.send((done, digest.hexdigest(), pages.nbytes() / 1e6))

@@ -98,6 +98,7 @@ def run_serve(args: argparse.Namespace) -> int:
         decode_policy=args.decode_routing_policy,
         gpus=[int(g) for g in args.gpus.split(",")] if args.gpus else None,
         transfer_argv=["--connector", args.connector, "--transfer-timeout", str(args.transfer_timeout),
-                       "--send-timeout", str(args.send_timeout), "--max-unsent", str(args.max_unsent)],
+                       "--send-timeout", str(args.send_timeout), "--max-unsent", str(args.max_unsent),
+                       *(["--stream-layers", "--stream-bytes", str(args.stream_bytes)] if args.stream_layers else [])],
     )
     return asyncio.run(serve(dep))

@@ -32,10 +32,11 @@ def make_role(args: argparse.Namespace, engine: Engine, worker_id: str) -> Prefi
 
         def pair(rendezvous: str) -> Connector:
             return NcclConnector(NcclConfig(token, rendezvous, device=device, timeout=args.transfer_timeout,
-                                            send_timeout=args.send_timeout))
+                                            send_timeout=args.send_timeout, stream_layers=args.stream_layers,
+                                            stream_bytes=args.stream_bytes))
 
         # gloo (CPU) sends complete only inside a blocking wait: see FanoutConnector
-        connector = FanoutConnector(pair, wait_sends=device == "cpu")
+        connector = FanoutConnector(pair, wait_sends=device == "cpu", streams=args.stream_layers)
     return PrefillRole(engine, connector, worker_id, max_unsent=args.max_unsent)
 
 

@@ -6,6 +6,9 @@ each request to the child paired with its ticket's address, pairing a new child 
 an address shows up (its `rendezvous` comes with the ticket).  ZMQ needs none of this: one
 ZmqConnector sends to any address.
 
+`streams`: the children stream layer by layer (NcclConfig.stream_layers): `send_layers` goes to
+the ticket's child as `send` does.
+
 `wait_sends`: the children's sends complete only inside a blocking wait (gloo's p2p Work cannot be
 polled; a wait that times out breaks the stream), so `get_finished` flushes them -- bounded by
 the receiver's next poll, which the decode worker's loop makes every iteration.
@@ -13,19 +16,20 @@ the receiver's next poll, which the decode worker's loop makes every iteration.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from pd_ssm.cache.pages import StatePages
-from pd_ssm.state_transfer.base import Connector, Ticket, TransferStats
+from pd_ssm.cache.pages import LayerPages, StatePages
+from pd_ssm.state_transfer.base import Connector, StreamingConnector, Ticket, TransferStats
 
 
-class FanoutConnector(Connector):
+class FanoutConnector(StreamingConnector):
     """`make(rendezvous)` builds a sending connector paired with the receiver hosting `rendezvous`
     (blocking until paired); its `address` must then be the one that receiver's tickets name."""
 
-    def __init__(self, make: Callable[[str], Connector], wait_sends: bool = False) -> None:
+    def __init__(self, make: Callable[[str], Connector], wait_sends: bool = False, streams: bool = False) -> None:
         self._make = make
         self.wait_sends = wait_sends
+        self._streams = streams
         self._peers: dict[str, Connector] = {}  # receiver data address -> sender paired with it
         self._owner: dict[str, Connector] = {}  # request id -> the child that sends it
         self._closed = False
@@ -47,12 +51,25 @@ class FanoutConnector(Connector):
     def num_peers(self) -> int:
         return len(self._peers)
 
+    @property
+    def streams(self) -> bool:
+        return self._streams
+
     def send(self, pages: StatePages, ticket: Ticket) -> None:
+        self._child(ticket).send(pages, ticket)
+
+    def send_layers(self, ticket: Ticket, layers: Sequence[LayerPages]) -> None:
+        child = self._child(ticket)
+        if not isinstance(child, StreamingConnector):
+            raise TypeError(f"the connector paired with {ticket.address} does not stream layer by layer")
+        child.send_layers(ticket, layers)
+
+    def _child(self, ticket: Ticket) -> Connector:
         child = self._peers.get(ticket.address)
         if child is None:
             raise ValueError(f"no connector is paired with {ticket.address} (call add_peer with its rendezvous)")
         self._owner[ticket.req_id] = child
-        child.send(pages, ticket)
+        return child
 
     def recv(self, timeout: float | None = None) -> StatePages | None:
         raise RuntimeError("a FanoutConnector only sends (the prefill side)")

@@ -166,6 +166,12 @@ class Connector(ABC):
 class StreamingConnector(Connector):
     """A connector that also takes one request's pages in pieces (layer-wise streaming)."""
 
+    @property
+    def streams(self) -> bool:
+        """Whether the prefill side should hand this connector each layer as it finishes (True),
+        or whole requests after the forward; a connector may stream only when configured to."""
+        return True
+
     @abstractmethod
     def send_layers(self, ticket: Ticket, layers: Sequence[LayerPages]) -> None:
         """Start sending some layers of `ticket.req_id` ahead of its final `send`; returns at once.

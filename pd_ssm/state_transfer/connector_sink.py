@@ -24,7 +24,7 @@ from pd_ssm.state_transfer.base import Connector, StreamingConnector, Ticket
 class ConnectorSink:
     def __init__(self, connector: Connector) -> None:
         self.connector = connector
-        self.streams = isinstance(connector, StreamingConnector)
+        self.streams = isinstance(connector, StreamingConnector) and connector.streams
         self._tickets: dict[str, Ticket] = {}
         self._held: dict[str, list[LayerPages]] = {}  # layers not handed to the connector yet
         self._done: dict[str, StatePages] = {}  # finished before their ticket came

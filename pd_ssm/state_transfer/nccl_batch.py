@@ -25,11 +25,13 @@ request of every message in flight.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from pd_ssm.cache.pages import StatePages
 from pd_ssm.state_transfer.nccl_coalesce import Queued
 from pd_ssm.state_transfer.nccl_control import Control
 from pd_ssm.state_transfer.nccl_message import Layouts, Plan, fill, plan
@@ -45,6 +47,7 @@ class OutMessage:
     buf: torch.Tensor | None = None  # laid out after the metadata went; kept until the p2p send completed
     plan: Plan | None = None  # what `lay_out` copies where
     work: Any = None  # the p2p send's torch.distributed Work, once posted (None: no bytes to send)
+    part: bool = False  # some layers of one request ahead of its data message: no request completes with it
 
     def lay_out(self, device: torch.device) -> torch.Tensor:
         """The buffer with its sums trailer (kernels queued on the current stream, not waited for)."""
@@ -62,7 +65,16 @@ def build(queued: list[Queued], gen: int, token: bytes, layouts: Layouts | None 
     pages = [q.pages for q in queued]
     req_ids = [p.req_id for p in pages]
     planned = plan(pages, layouts)
-    parts: list[Any] = [token, Control.data(gen, req_ids, planned.sizes).encode()]
+    parts: list[Any] = [token, Control.data(gen, req_ids, planned.sizes, [q.parts for q in queued]).encode()]
     for p, runs in zip(pages, planned.packed, strict=True):
         parts += [*encode_request(p.request), runs]
     return OutMessage(req_ids, planned.sizes, [q.start for q in queued], parts, plan=planned)
+
+
+def build_part(layers: StatePages, gen: int, token: bytes, layouts: Layouts | None = None) -> OutMessage:
+    """A "part" message (nccl_control.py): the runs of some layers of one request, streamed ahead
+    of its data message. `layers.request` only names the request: its frame goes with the data
+    message, once the first token is sampled."""
+    planned = plan([layers], layouts)
+    parts: list[Any] = [token, Control.part(gen, layers.req_id, planned.sizes[0]).encode(), b"", b"", planned.packed[0]]
+    return OutMessage([layers.req_id], planned.sizes, [time.monotonic()], parts, plan=planned, part=True)

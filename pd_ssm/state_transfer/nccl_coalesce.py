@@ -22,6 +22,7 @@ class Queued:
     pages: StatePages
     start: float  # time.monotonic() of its send: its TransferStats count from there
     nbytes: int  # its tensor bytes (what the cap counts)
+    parts: int = 0  # part messages of its layers sent ahead (layer-wise streaming)
 
 
 class Coalescer:

@@ -28,15 +28,23 @@ class NcclConfig:
     # the link (RESULTS.md session 7). A message of several never passes max_message_bytes (block
     # padding and the sums trailer, ~0.01%, on top)
     coalesce_bytes: int = 256 << 20
+    # sender: layer-wise streaming (the engine hands over each layer as its prefill forward
+    # finishes it, which rules out prefill CUDA graphs); off: each request whole, after the forward
+    stream_layers: bool = False
+    # sender, streaming: layers go as one part message once they reach this many bytes (a
+    # 2.6 MB message per layer reaches ~92 GB/s on the H200 pair, TARGETS.md; 32 MB: ~5 per 2.7B request)
+    stream_bytes: int = 32 << 20
     backend: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
         if not self.token:
             raise ValueError("NcclConfig.token is empty: peers authenticate with the shared cluster token")
         split_tcp(self.rendezvous)
-        if min(self.timeout, self.send_timeout, self.recv_window, self.max_message_bytes, self.coalesce_bytes) <= 0:
+        if min(self.timeout, self.send_timeout, self.recv_window, self.max_message_bytes, self.coalesce_bytes,
+               self.stream_bytes) <= 0:
             raise ValueError(
-                f"NcclConfig: timeout, send_timeout, recv_window, max_message_bytes, coalesce_bytes must be > 0: {self}"
+                "NcclConfig: timeout, send_timeout, recv_window, max_message_bytes, coalesce_bytes, stream_bytes "
+                f"must be > 0: {self}"
             )
         kind = torch.device(self.device).type
         if kind not in ("cpu", "cuda"):

@@ -25,9 +25,12 @@ the buffer out with its sums trailer and posts the p2p send, never waiting for t
 (and those of the messages behind it, up to `recv_window` bytes, while it checks one), parsing a
 message's request frames and run headers while its bytes travel (nccl_inbound.py). Both channels
 are FIFO between the two peers, so the k-th data message of a generation describes its k-th p2p
-message. A request leaves whole, after the prefill forward (no layer-wise streaming: the link
-moves a 2.7B request in ~0.5 ms, against ~26 ms for the prefill in CUDA graphs, which a
-per-layer hook would rule out).
+message. By default a request leaves whole, after the prefill forward: the link moves a 2.7B
+request in ~0.5 ms, against ~26 ms for the prefill in CUDA graphs, which a per-layer hook rules
+out. With `NcclConfig.stream_layers` it streams instead (`send_layers`): layers go as "part"
+messages of ~`stream_bytes` while the forward runs, the receiver checks and holds them, and the
+request's data message brings the rest and the count of parts before it; it is handed out only
+then, with every layer checked once (nccl_streamed.py).
 
 Pairing and recovery (the design of issue 4's "a peer dies mid-transfer"):
   - The receiver hosts the rendezvous store (`rendezvous`, "tcp://host:0" for a free port) and
@@ -62,10 +65,12 @@ There are no background threads: the receiver progresses in `recv` / `poll`, the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import zmq
 
-from pd_ssm.cache.pages import StatePages
-from pd_ssm.state_transfer.base import Connector, Ticket, TransferFailure, TransferStats
+from pd_ssm.cache.pages import LayerPages, StatePages
+from pd_ssm.state_transfer.base import StreamingConnector, Ticket, TransferFailure, TransferStats
 from pd_ssm.state_transfer.ledger import TransferLedger
 from pd_ssm.state_transfer.nccl_config import NcclConfig
 from pd_ssm.state_transfer.nccl_receiver import NcclReceiver
@@ -77,7 +82,7 @@ __all__ = ["NcclConfig", "NcclConnector"]
 _MAX_ABORTED = 1 << 16
 
 
-class NcclConnector(Connector):
+class NcclConnector(StreamingConnector):
     """Sender: construct without `bind` (pairs at once, blocking up to `timeout`; RuntimeError if no
     receiver joins); receiver: with `bind` and `reservations` (hosts the rendezvous at once; a sender
     may pair any time after, through its recv loop). The role is composed in, not flagged."""
@@ -156,6 +161,20 @@ class NcclConnector(Connector):
             raise ValueError(f"the reservation of {ticket.req_id!r} expired {-ticket.remaining():.3f} s ago")
         self.ledger.forget_abort(pages.req_id)  # a resent request id is a new transfer
         tx.send(pages, ticket)
+
+    @property
+    def streams(self) -> bool:
+        return self.config.stream_layers
+
+    def send_layers(self, ticket: Ticket, layers: Sequence[LayerPages]) -> None:
+        """Layer-wise streaming (`NcclConfig.stream_layers`): some layers of a request ahead of its
+        final `send`; they leave as a part message once `stream_bytes` of them are held."""
+        tx = self._sender()
+        if ticket.expired():
+            raise ValueError(f"the reservation of {ticket.req_id!r} expired {-ticket.remaining():.3f} s ago")
+        if ticket.address != tx.address and tx.address is not None:
+            raise ValueError(f"ticket of {ticket.req_id!r} names {ticket.address}, this connector sends to {tx.address}")
+        tx.send_layers(ticket, layers)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every p2p send completed or failed; True if none is left. Waits at most

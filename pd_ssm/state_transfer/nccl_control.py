@@ -1,11 +1,18 @@
 """The NCCL connector's side-channel control part: what a ZMQ message is, and for data, which
 requests its p2p message carries and how many bytes each takes in it.
 
-  hello  [token, control{kind="hello", gen, req_ids=[], sizes=[]}]: a sender joins generation `gen`
-  data   [token, control{kind="data", gen, req_ids, sizes}, then per request: request header,
-          request payload, runs]: ONE p2p message of sum(sizes) bytes follows on the stream, the
-          requests' bytes back to back in the order of `req_ids` (coalesced: see nccl_batch.py)
-  abort  [token, control{kind="abort", gen, req_ids=[req_id], sizes=[0]}]: the sender gave it up
+  hello  [token, control{kind="hello", gen, req_ids=[], sizes=[], parts=[]}]: a sender joins
+          generation `gen`
+  data   [token, control{kind="data", gen, req_ids, sizes, parts}, then per request: request
+          header, request payload, runs]: ONE p2p message of sum(sizes) bytes follows on the
+          stream, the requests' bytes back to back in the order of `req_ids` (coalesced: see
+          nccl_batch.py); `parts[i]`: how many "part" messages of request i went before (layer-wise
+          streaming; 0 for a request sent whole), each checked and held by the receiver until this one
+  part   [token, control{kind="part", gen, req_ids=[req_id], sizes=[n], parts=[0]}, b"", b"", runs]:
+          some layers of one request ahead of its data message (no request frame yet: the first
+          token is not sampled when its layers finish), ONE p2p message of n bytes
+  abort  [token, control{kind="abort", gen, req_ids=[req_id], sizes=[0], parts=[0]}]: the sender
+          gave it up
 
 The request ids are here, not only in the request frames, so a request whose frame is mangled
 still fails by name (its reservation released) and a message of a dead generation fails all of
@@ -22,30 +29,41 @@ from pd_ssm.state_transfer.nccl_checksum import BLOCK
 from pd_ssm.state_transfer.wire import MAX_HEADER_BYTES, FrameError
 from pd_ssm.state_transfer.wire_fields import unpack
 
-CONTROL_KINDS = ("hello", "data", "abort")
+CONTROL_KINDS = ("hello", "data", "part", "abort")
 MAX_BATCH = 1024  # requests in one data message (the sender coalesces far fewer: nccl_batch.py)
 PARTS_PER_REQUEST = 3  # request header, request payload, runs
-_CONTROL_KEYS = frozenset({"kind", "gen", "req_ids", "sizes"})
+MAX_PARTS = 1 << 16  # part messages ahead of one request's data message
+_CONTROL_KEYS = frozenset({"kind", "gen", "req_ids", "sizes", "parts"})
 
 
 @dataclass(frozen=True, slots=True)
 class Control:
-    kind: str  # "hello" | "data" | "abort"
+    kind: str  # "hello" | "data" | "part" | "abort"
     gen: int  # the pairing generation the p2p bytes travel on (nccl_group.py)
     req_ids: tuple[str, ...]  # data: the message's requests, in buffer order; abort: the one; hello: none
-    sizes: tuple[int, ...]  # data: each request's bytes in the p2p message (BLOCK multiples); else 0s
+    sizes: tuple[int, ...]  # data / part: each request's bytes in the p2p message (BLOCK multiples); else 0s
+    parts: tuple[int, ...] = ()  # data: per request, its part messages sent before; else 0s
 
     @staticmethod
     def hello(gen: int) -> Control:
-        return Control("hello", gen, (), ())
+        return Control("hello", gen, (), (), ())
 
     @staticmethod
     def abort(gen: int, req_id: str) -> Control:
-        return Control("abort", gen, (req_id,), (0,))
+        return Control("abort", gen, (req_id,), (0,), (0,))
 
     @staticmethod
-    def data(gen: int, req_ids: list[str], sizes: list[int]) -> Control:
-        return Control("data", gen, tuple(req_ids), tuple(sizes))
+    def data(gen: int, req_ids: list[str], sizes: list[int], parts: list[int] | None = None) -> Control:
+        return Control("data", gen, tuple(req_ids), tuple(sizes), tuple(parts or [0] * len(req_ids)))
+
+    @staticmethod
+    def part(gen: int, req_id: str, size: int) -> Control:
+        return Control("part", gen, (req_id,), (size,), (0,))
+
+    @property
+    def carries_bytes(self) -> bool:
+        """A data or part message: a p2p message follows it on the stream (requests' parts)."""
+        return self.kind in ("data", "part")
 
     @property
     def nbytes(self) -> int:
@@ -59,18 +77,20 @@ class Control:
 
     def encode(self) -> bytes:
         return msgpack.packb(
-            {"kind": self.kind, "gen": self.gen, "req_ids": list(self.req_ids), "sizes": list(self.sizes)},
+            {"kind": self.kind, "gen": self.gen, "req_ids": list(self.req_ids), "sizes": list(self.sizes),
+             "parts": list(self.parts)},
             use_bin_type=True,
         )
 
 
 def parse_control(raw: bytes) -> Control:
-    """The control part, checked: keys, types, one size per request id, sizes whole blocks, and the
-    number of requests each kind has (data 1..MAX_BATCH, abort 1, hello 0)."""
+    """The control part, checked: keys, types, one size and one part count per request id, sizes
+    whole blocks, and the number of requests each kind has (data 1..MAX_BATCH, part and abort 1,
+    hello 0); only a data message counts parts before it."""
     c = unpack(raw, MAX_HEADER_BYTES, "control part")
     if not isinstance(c, dict) or set(c) != _CONTROL_KEYS:
         raise FrameError(f"control part must have exactly the keys {sorted(_CONTROL_KEYS)}: {c!r:.120}")
-    kind, gen, req_ids, sizes = c["kind"], c["gen"], c["req_ids"], c["sizes"]
+    kind, gen, req_ids, sizes, parts = c["kind"], c["gen"], c["req_ids"], c["sizes"], c["parts"]
     if kind not in CONTROL_KINDS or type(gen) is not int or gen < 1:
         raise FrameError(f"control part: bad kind, or gen not an int >= 1: {c!r:.120}")
     if (
@@ -79,12 +99,19 @@ def parse_control(raw: bytes) -> Control:
         or len(req_ids) != len(sizes)
         or any(type(r) is not str for r in req_ids)
         or any(type(n) is not int or n < 0 or n % BLOCK for n in sizes)
+        or type(parts) is not list
+        or len(parts) != len(req_ids)
+        or any(type(k) is not int or not 0 <= k <= MAX_PARTS for k in parts)
     ):
         raise FrameError(
-            f"control part: req_ids must be strings, one size each, sizes non-negative multiples of {BLOCK}: {c!r:.120}"
+            f"control part: req_ids must be strings, one size and one part count each, sizes non-negative "
+            f"multiples of {BLOCK}, part counts 0..{MAX_PARTS}: {c!r:.120}"
         )
     count = len(req_ids)
-    wrong = {"data": not 1 <= count <= MAX_BATCH, "abort": count != 1 or any(sizes), "hello": count != 0}
+    wrong = {"data": not 1 <= count <= MAX_BATCH, "part": count != 1 or any(parts),
+             "abort": count != 1 or any(sizes) or any(parts), "hello": count != 0}
     if wrong[kind]:
-        raise FrameError(f"control part: a {kind} message cannot name {count} request(s) of sizes {sizes!r:.60}")
-    return Control(kind, gen, tuple(req_ids), tuple(sizes))
+        raise FrameError(
+            f"control part: a {kind} message cannot name {count} request(s) of sizes {sizes!r:.60}, parts {parts!r:.60}"
+        )
+    return Control(kind, gen, tuple(req_ids), tuple(sizes), tuple(parts))

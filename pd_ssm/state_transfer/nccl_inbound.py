@@ -23,7 +23,8 @@ from pd_ssm.state_transfer.nccl_control import PARTS_PER_REQUEST, Control
 from pd_ssm.state_transfer.nccl_message import Headers, RunMeta, parse_request, parse_tensors
 from pd_ssm.state_transfer.wire import FrameError
 
-Parsed = tuple[RequestState, list[RunMeta]] | str  # a request's frame and runs, or why they are refused
+# a request's frame (None in a part message) and runs, or why they are refused
+Parsed = tuple[RequestState | None, list[RunMeta]] | str
 
 
 @dataclass(slots=True)
@@ -42,7 +43,7 @@ class Inbound:
     @property
     def done(self) -> bool:
         """Every request of it acted on (a hello or an abort: itself)."""
-        return self.next >= (len(self.control.req_ids) if self.control.kind == "data" else 1)
+        return self.next >= (len(self.control.req_ids) if self.control.carries_bytes else 1)
 
     def parse(self, memo: Headers | None = None) -> list[Parsed]:
         """Each request's frame and run headers, checked against its part of the buffer; once.
@@ -73,7 +74,13 @@ def parse_requests(msg: list[bytes], control: Control, memo: Headers | None = No
     for i, (req_id, size) in enumerate(zip(control.req_ids, control.sizes, strict=True)):
         header, payload, runs = msg[2 + PARTS_PER_REQUEST * i : 2 + PARTS_PER_REQUEST * (i + 1)]
         try:
-            out.append((parse_request(header, payload, req_id), parse_tensors(runs, offset, offset + size, memo)))
+            if control.kind == "part":  # layers ahead of the request's frame, which its data message brings
+                if header or payload:
+                    raise FrameError(f"a part message of {req_id!r} carries a request frame")
+                request = None
+            else:
+                request = parse_request(header, payload, req_id)
+            out.append((request, parse_tensors(runs, offset, offset + size, memo)))
         except FrameError as e:
             out.append(str(e))
         offset += size

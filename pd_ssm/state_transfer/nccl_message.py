@@ -251,6 +251,13 @@ def unpack(
     """Compare every run's blocks with the trailer's sums (`sums`: `block_sums_of` the message;
     computed here if None, for a buffer of this one request), then return the runs as views of `buf` (one copy per run if `device`
     differs). The views keep all of `buf` alive, a coalesced message's other requests' bytes too."""
+    return StatePages(request, runs=unpack_runs(metas, buf, device, sums))
+
+
+def unpack_runs(
+    metas: list[RunMeta], buf: torch.Tensor, device: torch.device, sums: tuple[bytes, bytes] | None = None
+) -> list[PageRun]:
+    """`unpack`'s runs, checked, without a request (a part message's)."""
     if sums is None:
         sums = block_sums_of(buf, align(metas[-1].offset + metas[-1].nbytes) if metas else 0)
     mine, theirs = sums
@@ -261,7 +268,7 @@ def unpack(
                              "differ from the sender's")
         stacked = buf[m.offset : m.offset + m.nbytes].view(m.dtype).view(len(m.layers), *m.shape)
         runs.append(PageRun(m.page_kind, m.name, m.layers, stacked.to(device)))
-    return StatePages(request, runs=runs)
+    return runs
 
 
 def parse_request(header: bytes, payload: bytes, req_id: str) -> RequestState:

@@ -35,13 +35,15 @@ from pd_ssm.state_transfer.nccl_group import (
 )
 from pd_ssm.state_transfer.nccl_inbound import Inbound
 from pd_ssm.state_transfer.nccl_memo import Memo
-from pd_ssm.state_transfer.nccl_message import Headers, unpack
+from pd_ssm.state_transfer.nccl_message import Headers, unpack_runs
 from pd_ssm.state_transfer.nccl_pinned import PinnedPool
+from pd_ssm.state_transfer.nccl_streamed import StreamedParts
 from pd_ssm.state_transfer.reservations import ReservationTable
 from pd_ssm.state_transfer.wire import FrameError
 
 # runs parts kept (each at most 64 KiB): a few models' layouts at every place a coalesced message puts a request
 _MEMO_ENTRIES = 256
+_MAX_FAILED_STREAMS = 1 << 16
 
 
 class NcclReceiver:
@@ -70,6 +72,10 @@ class NcclReceiver:
         # NCCL: block sums run here behind each recv, off the stream the decode engine computes on
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._pinned = PinnedPool() if self._side is not None else None  # where those sums land on the host
+        self._streamed = StreamedParts()  # layer-wise streaming: parts held until their data message
+        # streamed requests failed before their data message: their later messages are dropped
+        # silently (one failure per request); bounded, a dead sender's never come
+        self._failed_streams: dict[str, None] = {}
 
     @property
     def paired(self) -> bool:
@@ -77,6 +83,7 @@ class NcclReceiver:
 
     def recv(self, timeout: float | None) -> StatePages | None:
         end = None if timeout is None else time.monotonic() + timeout
+        self._drop_orphans()
         while True:
             self._fill()
             if self._queue:
@@ -99,7 +106,7 @@ class NcclReceiver:
         request while this one is checked, so the link does not idle between requests. A hello or
         abort ends the batch (it must act after the messages before it, and a hello changes the
         group that later recvs go on)."""
-        while not self._queue or (self._queue[-1].control.kind == "data" and self._posted_bytes() < self.config.recv_window):
+        while not self._queue or (self._queue[-1].control.carries_bytes and self._posted_bytes() < self.config.recv_window):
             if not self._pull.poll(0):
                 return
             item = self._read(self._pull.recv_multipart())
@@ -129,7 +136,7 @@ class NcclReceiver:
             self.ledger.fail_anonymous("malformed", f"side-channel message dropped: {e}")
             return None
         item = Inbound(msg, control, authentic, time.monotonic())
-        if control.kind != "data":
+        if not control.carries_bytes:
             return item
         if self._group is None or control.gen != self._group.gen:
             item.lost = f"sent on pairing generation {control.gen}, which is gone (its sender died or was replaced)"
@@ -171,7 +178,7 @@ class NcclReceiver:
         """The next message in order: act on it, or on the next of its requests -- waiting for its
         bytes, then checking that request."""
         control = item.control
-        if control.kind != "data":
+        if not control.carries_bytes:
             item.next = 1
             if control.kind == "hello":
                 self._hello(control, item.authentic)
@@ -179,6 +186,7 @@ class NcclReceiver:
                 self.ledger.fail_anonymous("unauthenticated", f"abort of {control.req_id!r} with a wrong token")
             elif control.req_id in self.table:  # otherwise it arrived or failed already: nothing to undo
                 self._fail(control.req_id, "aborted by the sender", FailureKind.SENDER_ABORTED)
+            self._streamed.drop(control.req_id)  # its parts came before the abort; nothing of it follows
             return None
         if item.work is not None:
             if item.authentic:
@@ -194,17 +202,23 @@ class NcclReceiver:
         i = item.next
         item.next += 1
         req_id, size = control.req_ids[i], control.sizes[i]
+        last = control.kind == "data"  # a request's last message (a part is followed by more)
+        if req_id in self._failed_streams:  # failed at an earlier part (reported then)
+            if last:
+                del self._failed_streams[req_id]
+            return None
         if self.ledger.is_aborted(req_id):
+            self._streamed.drop(req_id)
             return None  # aborted here: dropped silently (the abort was the caller's own)
         ticket = self.table.get(req_id)
         if ticket is None:
-            self.ledger.fail(req_id, "no reservation for this request (unknown, completed or expired)")
+            self._fail_stream(req_id, "no reservation for this request (unknown, completed or expired)", last)
             return None
         if item.lost is not None:
-            self._fail(req_id, item.lost)
+            self._fail_stream(req_id, item.lost, last)
             return None
         if ticket.expired(self.table.clock()):
-            self._fail(req_id, "its reservation expired before the pages arrived")
+            self._fail_stream(req_id, "its reservation expired before the pages arrived", last)
             return None
         parsed = item.parse(self._headers)[i]
         try:
@@ -212,10 +226,15 @@ class NcclReceiver:
                 raise FrameError(parsed)
             request, metas = parsed
             assert item.buf is not None
-            pages = unpack(request, metas, item.buf, self.recv_device, item.block_sums())
+            runs = unpack_runs(metas, item.buf, self.recv_device, item.block_sums())
+            if request is None:  # a part: checked and held until the request's data message
+                self._streamed.add(req_id, runs)
+                return None
+            runs = self._streamed.finish(req_id, control.parts[i], runs)
         except FrameError as e:
-            self._fail(req_id, f"bad metadata or bytes: {e}")
+            self._fail_stream(req_id, f"bad metadata or bytes: {e}", last)
             return None
+        pages = StatePages(request, runs=runs)
         self.table.complete(req_id)
         self.ledger.received(TransferStats(req_id, size, time.monotonic() - item.start))
         return pages
@@ -246,6 +265,28 @@ class NcclReceiver:
         self.table.cancel(req_id)
         self.ledger.fail(req_id, reason, kind)
 
+    def _fail_stream(self, req_id: str, reason: str, last: bool) -> None:
+        """`_fail`, and its parts held go; unless this was its `last` message, the ones still to
+        come are dropped silently (the request failed once)."""
+        self._fail(req_id, reason)
+        self._streamed.drop(req_id)
+        if not last:
+            self._mark_failed(req_id)
+
+    def _mark_failed(self, req_id: str) -> None:
+        self._failed_streams[req_id] = None
+        if len(self._failed_streams) > _MAX_FAILED_STREAMS:
+            del self._failed_streams[next(iter(self._failed_streams))]
+
+    def _drop_orphans(self) -> None:
+        """Parts of requests whose reservation left the table (expired, or released by the caller)
+        go now, with their buffers; the rest of such a request is dropped when it comes (the
+        caller knows it failed: it released the reservation)."""
+        for req_id in self._streamed.req_ids():
+            if req_id not in self.table:
+                self._streamed.drop(req_id)
+                self._mark_failed(req_id)
+
     def _hello(self, control: Control, authentic: bool) -> None:
         if not authentic:
             self.ledger.fail_anonymous("unauthenticated", f"hello of generation {control.gen} with a wrong token")
@@ -267,6 +308,11 @@ class NcclReceiver:
             if item.work is not None:
                 item.work = None
                 item.lost = f"peer lost mid-transfer ({item.control.nbytes} B): {reason}"
+        for req_id in self._streamed.req_ids():  # their data messages cannot come on a new pairing
+            self._streamed.drop(req_id)
+            if not self.ledger.is_aborted(req_id):
+                self._fail(req_id, f"peer lost between the parts of the request: {reason}")
+            self._mark_failed(req_id)  # a data message of the old pairing read later: already failed
         if self._group is not None:
             if self._store is not None:
                 self._store.set(dropped_key(self._group.gen), reason)

@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import zmq
 
-from pd_ssm.cache.pages import StatePages
+from pd_ssm.cache.pages import LayerPages, RequestState, StatePages
 from pd_ssm.state_transfer.base import Ticket, TransferStats
 from pd_ssm.state_transfer.ledger import TransferLedger
-from pd_ssm.state_transfer.nccl_batch import OutMessage, build
+from pd_ssm.state_transfer.nccl_batch import OutMessage, build, build_part
 from pd_ssm.state_transfer.nccl_coalesce import Coalescer, Queued
 from pd_ssm.state_transfer.nccl_config import NcclConfig
 from pd_ssm.state_transfer.nccl_control import Control
@@ -67,6 +69,9 @@ class NcclSender:
         self._layouts: Layouts = Memo(_MEMO_ENTRIES)  # run headers by (layout, offset): they repeat
         self._pending: deque[OutMessage] = deque()  # p2p sends posted; they complete in posting order
         self._lost = "peer lost"  # why the last pairing went (a request held meanwhile fails with it)
+        # layer-wise streaming (`send_layers`): per request, its layers not sent yet and its part messages posted
+        self._streamed: dict[str, _Streamed] = {}
+        self._broken: set[str] = set()  # streamed requests failed before their final send: it is dropped
         self._probed = 0.0  # time.monotonic() of reap's last store probe
 
     @property
@@ -113,10 +118,52 @@ class NcclSender:
                 f"ticket of {ticket.req_id!r} names {ticket.address}, but this connector is paired with "
                 f"the receiver at {self.address}: one NcclConnector per receiver"
             )
-        for message in self._held.add(Queued(pages, time.monotonic(), pages.nbytes())):
+        if pages.req_id in self._broken:  # its parts failed already (reported then): nothing to finish
+            self._broken.discard(pages.req_id)
+            return
+        parts = 0
+        streamed = self._streamed.pop(pages.req_id, None)
+        if streamed is not None:
+            pages.layers.update((p.layer_idx, p) for p in streamed.layers)
+            parts = streamed.parts
+        for message in self._held.add(Queued(pages, time.monotonic(), pages.nbytes(), parts)):
             self._post(message)
         if not self._link_busy():
             self._post(self._held.take())
+
+    def send_layers(self, ticket: Ticket, layers: Sequence[LayerPages]) -> None:
+        """Layer-wise streaming: hold `layers` of `ticket.req_id`; once they reach
+        `stream_bytes`, they go as one part message (nccl_control.py) behind what is posted. The
+        request's final `send` takes the layers still held and says how many parts went before."""
+        req_id = ticket.req_id
+        if req_id in self._broken:
+            return
+        if self._group is None:
+            try:
+                self.pair()
+            except RuntimeError as e:
+                self._break(req_id, str(e))
+                return
+        streamed = self._streamed.setdefault(req_id, _Streamed())
+        streamed.layers.extend(layers)
+        streamed.nbytes += sum(p.nbytes() for p in layers)
+        if streamed.nbytes >= self.config.stream_bytes:
+            self._post(self._held.take())  # held whole requests first: they were sent before these layers
+            carrier = StatePages(_carrier(req_id), layers={p.layer_idx: p for p in streamed.layers})
+            streamed.layers, streamed.nbytes = [], 0
+            try:
+                out = build_part(carrier, self._group.gen, self._token, self._layouts)  # type: ignore[union-attr]
+            except ValueError as e:  # a dtype the wire cannot carry
+                self._break(req_id, str(e))
+                return
+            streamed.parts += 1
+            self._dispatch(out)
+
+    def _break(self, req_id: str, reason: str) -> None:
+        """A streamed request failed before its final send: report it, drop what is held of it."""
+        self._streamed.pop(req_id, None)
+        self._broken.add(req_id)
+        self.ledger.fail(req_id, reason)
 
     def _link_busy(self) -> bool:
         """Whether an earlier message is still on its way ((NCCL) its p2p send not completed).
@@ -186,6 +233,8 @@ class NcclSender:
         Held, it never leaves (the others held go out now). Best effort once posted: its bytes are
         on the stream regardless, and the receiver reads the abort after them; never blocks."""
         self._held.drop(req_id)
+        if self._streamed.pop(req_id, None) is not None:
+            self._broken.add(req_id)  # its final send, if the engine still makes it, goes nowhere
         if self._push is None or self._group is None:
             return
         self._post(self._held.take())
@@ -248,6 +297,8 @@ class NcclSender:
             self.lose_peer(f"the receiver dropped the pairing ({reason})")
 
     def _complete(self, out: OutMessage) -> None:
+        if out.part:
+            return  # its request completes with its data message
         now = time.monotonic()
         for req_id, size, start in zip(out.req_ids, out.sizes, out.starts, strict=True):
             self.ledger.sent(TransferStats(req_id, size, now - start))
@@ -259,7 +310,12 @@ class NcclSender:
         req_ids = [q.pages.req_id for q in self._held.take()]
         for out in self._pending:
             req_ids += out.req_ids
-        for req_id in req_ids:
+        for req_id, streamed in list(self._streamed.items()):
+            if streamed.parts:  # parts went on this pairing: the receiver drops them with it
+                del self._streamed[req_id]
+                self._broken.add(req_id)
+                req_ids.append(req_id)
+        for req_id in dict.fromkeys(req_ids):
             if not self.ledger.is_aborted(req_id):
                 self.ledger.fail(req_id, reason)
         self._pending.clear()
@@ -287,3 +343,17 @@ class NcclSender:
         if self._push is not None:
             self._push.close()
             self._push = None
+
+
+@dataclass(slots=True)
+class _Streamed:
+    """A request streamed layer by layer: its layers held for the next part, their bytes, parts posted."""
+
+    layers: list[LayerPages] = field(default_factory=list)
+    nbytes: int = 0
+    parts: int = 0
+
+
+def _carrier(req_id: str) -> RequestState:
+    """A part's pages need a RequestState only for their request id (its frame is not sent)."""
+    return RequestState(req_id, [], [], 0, {}, 0, 0)

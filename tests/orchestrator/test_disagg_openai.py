@@ -1,5 +1,6 @@
 """The official openai client against `pd-ssm serve --disagg` (1 prefill + 1 decode worker, real
-processes), over the ZMQ connector and over the NCCL connector (gloo on CPU).
+processes), over the ZMQ connector and over the NCCL connector (gloo on CPU), whole requests or
+streamed layer by layer (`--stream-layers`).
 
 Token ids and text must equal `LLM.generate` on a colocated in-process engine, for greedy and
 seeded sampling, completions and chat, streamed or not: the first token comes from the prefill
@@ -23,11 +24,14 @@ from tests.orchestrator.conftest import Serve, pools_empty, start_disagg
 from tests.orchestrator.test_serve_openai import random_text, sampling_cases, split
 
 
-@pytest.fixture(scope="module", params=["zmq", "nccl"])
+@pytest.fixture(scope="module", params=["zmq", "nccl", "nccl-stream-layers"])
 def deployment(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
                default_model: Path) -> Iterator[Serve]:
     log = tmp_path_factory.mktemp(f"disagg-{request.param}") / "serve.log"
-    s = start_disagg(default_model, log, connector=request.param)
+    # nccl-stream-layers: each layer's pages leave in a part message of its own (1 byte suffices)
+    # while the prefill forward runs
+    connector, *extra = request.param.replace("-stream-layers", " --stream-layers --stream-bytes 1").split()
+    s = start_disagg(default_model, log, *extra, connector=connector)
     yield s
     s.stop()
 

@@ -1,0 +1,79 @@
+"""StreamedParts: the NCCL receiver's bookkeeping of requests streamed layer by layer -- the runs of
+their part messages, checked and held until the request's data message completes them.
+
+Pure bookkeeping over the runs (views of the received buffers, which they keep alive); no
+device work. Every (tensor name, layer) must come exactly once over a request's parts and its data
+message, a layer of one page kind only, and the data message must count the parts that came
+(the side channel and the p2p stream are FIFO, so a part never arrives after its data message;
+one missing means it failed or was dropped, and so does the request).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pd_ssm.cache.pages import PageRun
+from pd_ssm.state_transfer.wire import FrameError
+
+
+@dataclass(slots=True)
+class _Held:
+    runs: list[PageRun] = field(default_factory=list)
+    parts: int = 0
+    by_name: dict[str, set[int]] = field(default_factory=dict)  # tensor name -> layers that brought it
+    by_kind: dict[str, set[int]] = field(default_factory=dict)  # page kind -> its layers
+
+
+class StreamedParts:
+    def __init__(self) -> None:
+        self._held: dict[str, _Held] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._held
+
+    def req_ids(self) -> list[str]:
+        return list(self._held)
+
+    def add(self, req_id: str, runs: list[PageRun]) -> None:
+        """One part message's runs of `req_id`; FrameError (nothing kept of this part) if a layer
+        came before or under another page kind."""
+        held = self._held.setdefault(req_id, _Held())
+        _claim(held, req_id, runs)
+        held.runs += runs
+        held.parts += 1
+
+    def finish(self, req_id: str, parts: int, runs: list[PageRun]) -> list[PageRun]:
+        """The request's data message: its `runs` and the `parts` it says went before -> every run
+        of the request, in layer order. FrameError if the count or a layer disagrees; the request
+        is forgotten either way."""
+        held = self._held.pop(req_id, None)
+        if held is None:
+            if parts:
+                raise FrameError(f"{req_id!r}: its data message counts {parts} part(s) before it, none arrived")
+            return runs
+        if held.parts != parts:
+            raise FrameError(f"{req_id!r}: its data message counts {parts} part(s) before it, {held.parts} arrived")
+        _claim(held, req_id, runs)
+        return sorted(held.runs + runs, key=lambda r: (r.layers[0], r.name))
+
+    def drop(self, req_id: str) -> bool:
+        """Forget `req_id`'s parts (failed, aborted, expired); whether any were held."""
+        return self._held.pop(req_id, None) is not None
+
+
+def _claim(held: _Held, req_id: str, runs: list[PageRun]) -> None:
+    """Record the runs' (name, layers) in `held`, all or nothing; FrameError on a repeat or a kind clash."""
+    for r in runs:
+        named = held.by_name.get(r.name, set())
+        repeated = named.intersection(r.layers)
+        if repeated:
+            raise FrameError(f"{req_id!r}: layers {sorted(repeated)} of {r.name!r} arrived twice")
+        for kind, of_kind in held.by_kind.items():
+            if kind != r.kind and of_kind.intersection(r.layers):
+                raise FrameError(f"{req_id!r}: layers {sorted(of_kind.intersection(r.layers))} came as {kind} and {r.kind}")
+    for r in runs:
+        held.by_name.setdefault(r.name, set()).update(r.layers)
+        held.by_kind.setdefault(r.kind, set()).update(r.layers)
