@@ -25,13 +25,11 @@ request of every message in flight.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from pd_ssm.cache.pages import StatePages
 from pd_ssm.state_transfer.nccl_coalesce import Queued
 from pd_ssm.state_transfer.nccl_control import Control
 from pd_ssm.state_transfer.nccl_message import Layouts, Plan, fill, plan
@@ -47,7 +45,7 @@ class OutMessage:
     buf: torch.Tensor | None = None  # laid out after the metadata went; kept until the p2p send completed
     plan: Plan | None = None  # what `lay_out` copies where
     work: Any = None  # the p2p send's torch.distributed Work, once posted (None: no bytes to send)
-    part: bool = False  # some layers of one request ahead of its data message: no request completes with it
+    finals: list[bool] | None = None  # per entry, whether it is its request's last part (None: all are)
 
     def lay_out(self, device: torch.device) -> torch.Tensor:
         """The buffer with its sums trailer (kernels queued on the current stream, not waited for)."""
@@ -66,15 +64,9 @@ def build(queued: list[Queued], gen: int, token: bytes, layouts: Layouts | None 
     req_ids = [p.req_id for p in pages]
     planned = plan(pages, layouts)
     parts: list[Any] = [token, Control.data(gen, req_ids, planned.sizes, [q.parts for q in queued]).encode()]
-    for p, runs in zip(pages, planned.packed, strict=True):
-        parts += [*encode_request(p.request), runs]
-    return OutMessage(req_ids, planned.sizes, [q.start for q in queued], parts, plan=planned)
-
-
-def build_part(layers: StatePages, gen: int, token: bytes, layouts: Layouts | None = None) -> OutMessage:
-    """A "part" message (nccl_control.py): the runs of some layers of one request, streamed ahead
-    of its data message. `layers.request` only names the request: its frame goes with the data
-    message, once the first token is sampled."""
-    planned = plan([layers], layouts)
-    parts: list[Any] = [token, Control.part(gen, layers.req_id, planned.sizes[0]).encode(), b"", b"", planned.packed[0]]
-    return OutMessage([layers.req_id], planned.sizes, [time.monotonic()], parts, plan=planned, part=True)
+    for q, runs in zip(queued, planned.packed, strict=True):
+        # NOTE: a part (layer-wise streaming) has no request frame: its first token is not sampled yet
+        parts += [b"", b"", runs] if q.part else [*encode_request(q.pages.request), runs]
+    finals = [not q.part for q in queued]
+    return OutMessage(req_ids, planned.sizes, [q.start for q in queued], parts, plan=planned,
+                      finals=None if all(finals) else finals)

@@ -22,7 +22,8 @@ class Queued:
     pages: StatePages
     start: float  # time.monotonic() of its send: its TransferStats count from there
     nbytes: int  # its tensor bytes (what the cap counts)
-    parts: int = 0  # part messages of its layers sent ahead (layer-wise streaming)
+    parts: int = 0  # its request's parts sent before it (layer-wise streaming)
+    part: bool = False  # a part: some layers of the request ahead of its last (no request frame)
 
 
 class Coalescer:

@@ -3,14 +3,14 @@ requests its p2p message carries and how many bytes each takes in it.
 
   hello  [token, control{kind="hello", gen, req_ids=[], sizes=[], parts=[]}]: a sender joins
           generation `gen`
-  data   [token, control{kind="data", gen, req_ids, sizes, parts}, then per request: request
+  data   [token, control{kind="data", gen, req_ids, sizes, parts}, then per entry: request
           header, request payload, runs]: ONE p2p message of sum(sizes) bytes follows on the
-          stream, the requests' bytes back to back in the order of `req_ids` (coalesced: see
-          nccl_batch.py); `parts[i]`: how many "part" messages of request i went before (layer-wise
-          streaming; 0 for a request sent whole), each checked and held by the receiver until this one
-  part   [token, control{kind="part", gen, req_ids=[req_id], sizes=[n], parts=[0]}, b"", b"", runs]:
-          some layers of one request ahead of its data message (no request frame yet: the first
-          token is not sampled when its layers finish), ONE p2p message of n bytes
+          stream, the entries' bytes back to back in the order of `req_ids` (coalesced: see
+          nccl_batch.py). An entry is a request's last part (its request frame, and `parts[i]`:
+          how many parts of it went before, 0 for a request sent whole) or, with an empty request
+          header and payload (`parts[i]` 0), a PART: some of its layers streamed ahead while its
+          prefill runs (its first token is not sampled yet), which the receiver checks and holds
+          until the last part comes
   abort  [token, control{kind="abort", gen, req_ids=[req_id], sizes=[0], parts=[0]}]: the sender
           gave it up
 
@@ -29,20 +29,20 @@ from pd_ssm.state_transfer.nccl_checksum import BLOCK
 from pd_ssm.state_transfer.wire import MAX_HEADER_BYTES, FrameError
 from pd_ssm.state_transfer.wire_fields import unpack
 
-CONTROL_KINDS = ("hello", "data", "part", "abort")
+CONTROL_KINDS = ("hello", "data", "abort")
 MAX_BATCH = 1024  # requests in one data message (the sender coalesces far fewer: nccl_batch.py)
 PARTS_PER_REQUEST = 3  # request header, request payload, runs
-MAX_PARTS = 1 << 16  # part messages ahead of one request's data message
+MAX_PARTS = 1 << 16  # parts of one request streamed ahead of its last
 _CONTROL_KEYS = frozenset({"kind", "gen", "req_ids", "sizes", "parts"})
 
 
 @dataclass(frozen=True, slots=True)
 class Control:
-    kind: str  # "hello" | "data" | "part" | "abort"
+    kind: str  # "hello" | "data" | "abort"
     gen: int  # the pairing generation the p2p bytes travel on (nccl_group.py)
     req_ids: tuple[str, ...]  # data: the message's requests, in buffer order; abort: the one; hello: none
-    sizes: tuple[int, ...]  # data / part: each request's bytes in the p2p message (BLOCK multiples); else 0s
-    parts: tuple[int, ...] = ()  # data: per request, its part messages sent before; else 0s
+    sizes: tuple[int, ...]  # data: each entry's bytes in the p2p message (BLOCK multiples); else 0s
+    parts: tuple[int, ...] = ()  # data: per entry, the parts of its request sent before it; else 0s
 
     @staticmethod
     def hello(gen: int) -> Control:
@@ -56,14 +56,10 @@ class Control:
     def data(gen: int, req_ids: list[str], sizes: list[int], parts: list[int] | None = None) -> Control:
         return Control("data", gen, tuple(req_ids), tuple(sizes), tuple(parts or [0] * len(req_ids)))
 
-    @staticmethod
-    def part(gen: int, req_id: str, size: int) -> Control:
-        return Control("part", gen, (req_id,), (size,), (0,))
-
     @property
     def carries_bytes(self) -> bool:
-        """A data or part message: a p2p message follows it on the stream (requests' parts)."""
-        return self.kind in ("data", "part")
+        """A data message: a p2p message follows it on the stream."""
+        return self.kind == "data"
 
     @property
     def nbytes(self) -> int:
@@ -85,8 +81,8 @@ class Control:
 
 def parse_control(raw: bytes) -> Control:
     """The control part, checked: keys, types, one size and one part count per request id, sizes
-    whole blocks, and the number of requests each kind has (data 1..MAX_BATCH, part and abort 1,
-    hello 0); only a data message counts parts before it."""
+    whole blocks, and the number of requests each kind has (data 1..MAX_BATCH, abort 1, hello 0);
+    only a data message counts parts."""
     c = unpack(raw, MAX_HEADER_BYTES, "control part")
     if not isinstance(c, dict) or set(c) != _CONTROL_KEYS:
         raise FrameError(f"control part must have exactly the keys {sorted(_CONTROL_KEYS)}: {c!r:.120}")
@@ -108,8 +104,8 @@ def parse_control(raw: bytes) -> Control:
             f"multiples of {BLOCK}, part counts 0..{MAX_PARTS}: {c!r:.120}"
         )
     count = len(req_ids)
-    wrong = {"data": not 1 <= count <= MAX_BATCH, "part": count != 1 or any(parts),
-             "abort": count != 1 or any(sizes) or any(parts), "hello": count != 0}
+    wrong = {"data": not 1 <= count <= MAX_BATCH, "abort": count != 1 or any(sizes) or any(parts),
+             "hello": count != 0}
     if wrong[kind]:
         raise FrameError(
             f"control part: a {kind} message cannot name {count} request(s) of sizes {sizes!r:.60}, parts {parts!r:.60}"

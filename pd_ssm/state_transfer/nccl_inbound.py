@@ -52,6 +52,11 @@ class Inbound:
             self.parsed = parse_requests(self.msg, self.control, memo)
         return self.parsed
 
+    def is_part(self, i: int) -> bool:
+        """Whether the i-th entry of this data message is a part (layers streamed ahead)."""
+        start = 2 + PARTS_PER_REQUEST * i
+        return len(self.msg) >= start + 2 and is_part(self.msg[start], self.msg[start + 1])
+
     def block_sums(self) -> tuple[bytes, bytes]:
         """(the block sums of the requests' bytes as received, the sender's from the trailer);
         computed here on the CPU, where nothing queued them."""
@@ -60,6 +65,11 @@ class Inbound:
             payload = self.control.nbytes
             self.sums = PendingSums(self.buf[:payload], self.buf[payload:])
         return self.sums.wait(), self.sums.theirs()
+
+
+def is_part(header: bytes, payload: bytes) -> bool:
+    """An entry without a request frame: a part (nccl_control.py)."""
+    return len(header) == 0 and len(payload) == 0
 
 
 def parse_requests(msg: list[bytes], control: Control, memo: Headers | None = None) -> list[Parsed]:
@@ -74,9 +84,9 @@ def parse_requests(msg: list[bytes], control: Control, memo: Headers | None = No
     for i, (req_id, size) in enumerate(zip(control.req_ids, control.sizes, strict=True)):
         header, payload, runs = msg[2 + PARTS_PER_REQUEST * i : 2 + PARTS_PER_REQUEST * (i + 1)]
         try:
-            if control.kind == "part":  # layers ahead of the request's frame, which its data message brings
-                if header or payload:
-                    raise FrameError(f"a part message of {req_id!r} carries a request frame")
+            if is_part(header, payload):  # layers ahead of the request's frame, which its last part brings
+                if control.parts[i]:
+                    raise FrameError(f"a part of {req_id!r} counts parts before it: only its last part does")
                 request = None
             else:
                 request = parse_request(header, payload, req_id)

@@ -202,7 +202,7 @@ class NcclReceiver:
         i = item.next
         item.next += 1
         req_id, size = control.req_ids[i], control.sizes[i]
-        last = control.kind == "data"  # a request's last message (a part is followed by more)
+        last = not item.is_part(i)  # its request's last entry (a part is followed by more)
         if req_id in self._failed_streams:  # failed at an earlier part (reported then)
             if last:
                 del self._failed_streams[req_id]

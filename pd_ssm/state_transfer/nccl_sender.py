@@ -29,7 +29,7 @@ import zmq
 from pd_ssm.cache.pages import LayerPages, RequestState, StatePages
 from pd_ssm.state_transfer.base import Ticket, TransferStats
 from pd_ssm.state_transfer.ledger import TransferLedger
-from pd_ssm.state_transfer.nccl_batch import OutMessage, build, build_part
+from pd_ssm.state_transfer.nccl_batch import OutMessage, build
 from pd_ssm.state_transfer.nccl_coalesce import Coalescer, Queued
 from pd_ssm.state_transfer.nccl_config import NcclConfig
 from pd_ssm.state_transfer.nccl_control import Control
@@ -132,9 +132,11 @@ class NcclSender:
             self._post(self._held.take())
 
     def send_layers(self, ticket: Ticket, layers: Sequence[LayerPages]) -> None:
-        """Layer-wise streaming: hold `layers` of `ticket.req_id`; once they reach
-        `stream_bytes`, they go as one part message (nccl_control.py) behind what is posted. The
-        request's final `send` takes the layers still held and says how many parts went before."""
+        """Layer-wise streaming: hold `layers` of `ticket.req_id`; once they reach `stream_bytes`
+        they become a PART (nccl_control.py), which goes out as a request does: at once on an idle
+        link, else coalesced with what is held (the parts of a batch's requests, finished layer
+        by layer together, share messages). The request's final `send` takes the layers still
+        held and says how many parts went before."""
         req_id = ticket.req_id
         if req_id in self._broken:
             return
@@ -147,17 +149,24 @@ class NcclSender:
         streamed = self._streamed.setdefault(req_id, _Streamed())
         streamed.layers.extend(layers)
         streamed.nbytes += sum(p.nbytes() for p in layers)
-        if streamed.nbytes >= self.config.stream_bytes:
-            self._post(self._held.take())  # held whole requests first: they were sent before these layers
-            carrier = StatePages(_carrier(req_id), layers={p.layer_idx: p for p in streamed.layers})
-            streamed.layers, streamed.nbytes = [], 0
-            try:
-                out = build_part(carrier, self._group.gen, self._token, self._layouts)  # type: ignore[union-attr]
-            except ValueError as e:  # a dtype the wire cannot carry
-                self._break(req_id, str(e))
-                return
-            streamed.parts += 1
-            self._dispatch(out)
+        if streamed.nbytes < self.config.stream_bytes:
+            return
+        carrier = StatePages(_carrier(req_id), layers={p.layer_idx: p for p in streamed.layers})
+        part = Queued(carrier, time.monotonic(), streamed.nbytes, part=True)
+        streamed.layers, streamed.nbytes = [], 0
+        streamed.parts += 1
+        for message in self._held.add(part):
+            self._post(message)
+        if not self._link_busy():
+            self._post(self._held.take())
+
+    def _fail_queued(self, q: Queued, reason: str) -> None:
+        """A request's entry cannot go: a part breaks its stream (the final send is then dropped)."""
+        if q.part:
+            if q.pages.req_id not in self._broken:
+                self._break(q.pages.req_id, reason)
+        else:
+            self.ledger.fail(q.pages.req_id, reason)
 
     def _break(self, req_id: str, reason: str) -> None:
         """A streamed request failed before its final send: report it, drop what is held of it."""
@@ -178,13 +187,13 @@ class NcclSender:
             return
         if self._group is None:  # the pairing went while they were held
             for q in held:
-                self.ledger.fail(q.pages.req_id, self._lost)
+                self._fail_queued(q, self._lost)
             return
         try:
             out = build(held, self._group.gen, self._token, self._layouts)
         except ValueError as e:  # a tensor whose dtype cannot go on the wire: that request alone fails
             if len(held) == 1:
-                self.ledger.fail(held[0].pages.req_id, str(e))
+                self._fail_queued(held[0], str(e))
                 return
             for q in held:
                 self._post([q])
@@ -297,11 +306,11 @@ class NcclSender:
             self.lose_peer(f"the receiver dropped the pairing ({reason})")
 
     def _complete(self, out: OutMessage) -> None:
-        if out.part:
-            return  # its request completes with its data message
         now = time.monotonic()
-        for req_id, size, start in zip(out.req_ids, out.sizes, out.starts, strict=True):
-            self.ledger.sent(TransferStats(req_id, size, now - start))
+        finals = out.finals or [True] * len(out.req_ids)
+        for req_id, size, start, final in zip(out.req_ids, out.sizes, out.starts, finals, strict=True):
+            if final:  # a part's request completes with its last part
+                self.ledger.sent(TransferStats(req_id, size, now - start))
 
     def lose_peer(self, reason: str) -> None:
         """Fail every request in flight -- held or posted -- (aborted ones silently) and tear the

@@ -1,7 +1,7 @@
 """NcclConnector layer-wise streaming on gloo (NcclConfig.stream_layers): a request's layers go as
-part messages while its prefill runs, the receiver checks and holds them, and hands the request out
-only with its data message -- bit-exact, each layer once, one failure per request, nothing held
-after a failure. The pytest process receives; a spawned process sends (helpers from
+parts while its prefill runs (coalesced with other requests' entries), the receiver checks and holds
+them, and hands the request out only with its last part -- bit-exact, each layer once, one failure
+per request, nothing held after a failure. The pytest process receives; a spawned process sends (helpers from
 test_nccl_connector)."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from tests.state_transfer.test_nccl_connector import (
 
 def _streaming(tx: NcclConnector, stream_bytes: int = 1) -> None:
     tx.config.stream_layers = True
-    tx.config.stream_bytes = stream_bytes  # 1: every send_layers call is a part message
+    tx.config.stream_bytes = stream_bytes  # 1: every send_layers call makes a part
 
 
 def _stream(tx: NcclConnector, req_id: str, seed: int, dtype: torch.dtype, ahead: list[list[int]]) -> None:
@@ -45,9 +45,9 @@ def _stream(tx: NcclConnector, req_id: str, seed: int, dtype: torch.dtype, ahead
 
 def _streams_and_whole(tx: NcclConnector) -> None:
     _streaming(tx)
-    _stream(tx, "s1", 11, torch.float32, [[0], [1]])  # two parts, layer 2 with the data message
+    _stream(tx, "s1", 11, torch.float32, [[0], [1]])  # two parts, layer 2 with its last part
     tx.send(make_pages("whole", torch.bfloat16, 12), ticket(tx, "whole"))  # not streamed, same link
-    _stream(tx, "s2", 13, torch.bfloat16, [[2, 0, 1]])  # every layer ahead: the data message has none
+    _stream(tx, "s2", 13, torch.bfloat16, [[2, 0, 1]])  # every layer ahead: its last part has none
     tx.config.stream_bytes = 1 << 30  # held until the final send: no part at all
     _stream(tx, "s3", 14, torch.float32, [[1]])
     assert tx.flush(10.0)
@@ -55,13 +55,13 @@ def _streams_and_whole(tx: NcclConnector) -> None:
 
 
 def test_streamed_requests_arrive_bit_exact_beside_whole_ones(monkeypatch: pytest.MonkeyPatch) -> None:
-    kinds: list[str] = []
+    entries: list[list[str]] = []  # per data message: its entries, "part" or "last"
     read = NcclReceiver._read
 
     def spy(self: NcclReceiver, msg: list[bytes]) -> Any:
         item = read(self, msg)
-        if item is not None and item.control.kind in ("data", "part"):
-            kinds.append(item.control.kind)
+        if item is not None and item.control.kind == "data":
+            entries.append(["part" if item.is_part(i) else "last" for i in range(len(item.control.req_ids))])
         return item
 
     monkeypatch.setattr(NcclReceiver, "_read", spy)
@@ -74,7 +74,9 @@ def test_streamed_requests_arrive_bit_exact_beside_whole_ones(monkeypatch: pytes
                                     ("s2", 13, torch.bfloat16), ("s3", 14, torch.float32)):
             assert_same(make_pages(req_id, dtype, seed), got[req_id])
             assert got[req_id].request == make_pages(req_id, dtype, seed).request
-        assert kinds.count("part") == 3  # s1: 2, s2: 1, s3: none (below stream_bytes)
+        assert sum(e.count("part") for e in entries) == 3  # s1: 2, s2: 1, s3: none (below stream_bytes)
+        # the first part found the link idle; everything after it was coalesced (gloo: until the flush)
+        assert entries == [["part"], ["part", "last", "last", "part", "last", "last"]], entries
         assert len(rx._rx._streamed) == 0  # type: ignore[union-attr]
     assert len(table) == 0
 
@@ -90,8 +92,9 @@ def _corrupt_part_then_good(tx: NcclConnector) -> None:
         out.buf[70] ^= 0x01
         real(out)
 
+    tx.send_layers(ticket(tx, "bad"), [pages.layers[1]])  # held: the first part is on its way
     tx._tx._dispatch = flip  # type: ignore[union-attr]
-    tx.send_layers(ticket(tx, "bad"), [pages.layers[1]])
+    assert tx.flush(10.0)  # the second part goes alone, mangled
     tx._tx._dispatch = real  # type: ignore[union-attr]
     tx.send(StatePages(pages.request, layers={2: pages.layers[2]}), ticket(tx, "bad"))  # dropped there
     tx.send(make_pages("good", torch.bfloat16, 22), ticket(tx, "good"))
