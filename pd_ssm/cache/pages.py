@@ -48,7 +48,7 @@ class LayerPages:
     tensors: dict[str, torch.Tensor]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return sum(t.nbytes for t in self.tensors.values())  # NOTE: per layer per request when streaming: kept cheap
 
 
 @dataclass(slots=True)

@@ -20,13 +20,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import zmq
 
-from pd_ssm.cache.pages import LayerPages, RequestState, StatePages
+from pd_ssm.cache.pages import LayerPages, StatePages
 from pd_ssm.state_transfer.base import Ticket, TransferStats
 from pd_ssm.state_transfer.ledger import TransferLedger
 from pd_ssm.state_transfer.nccl_batch import OutMessage, build
@@ -44,6 +43,7 @@ from pd_ssm.state_transfer.nccl_group import (
 )
 from pd_ssm.state_transfer.nccl_memo import Memo
 from pd_ssm.state_transfer.nccl_message import Layouts
+from pd_ssm.state_transfer.nccl_stream_out import StreamOut
 
 _PROBE_TIMEOUT = 1.0  # seconds a liveness probe of the rendezvous store may take
 # (layout, offset) pairs kept: a few models' layouts at every place a coalesced message puts a request
@@ -69,9 +69,7 @@ class NcclSender:
         self._layouts: Layouts = Memo(_MEMO_ENTRIES)  # run headers by (layout, offset): they repeat
         self._pending: deque[OutMessage] = deque()  # p2p sends posted; they complete in posting order
         self._lost = "peer lost"  # why the last pairing went (a request held meanwhile fails with it)
-        # layer-wise streaming (`send_layers`): per request, its layers not sent yet and its part messages posted
-        self._streamed: dict[str, _Streamed] = {}
-        self._broken: set[str] = set()  # streamed requests failed before their final send: it is dropped
+        self._streams = StreamOut()  # layer-wise streaming (`send_layers`)
         self._probed = 0.0  # time.monotonic() of reap's last store probe
 
     @property
@@ -118,15 +116,12 @@ class NcclSender:
                 f"ticket of {ticket.req_id!r} names {ticket.address}, but this connector is paired with "
                 f"the receiver at {self.address}: one NcclConnector per receiver"
             )
-        if pages.req_id in self._broken:  # its parts failed already (reported then): nothing to finish
-            self._broken.discard(pages.req_id)
+        streamed = self._streams.finish(pages.req_id)
+        if streamed is None:  # its stream broke (reported then): nothing to finish
             return
-        parts = 0
-        streamed = self._streamed.pop(pages.req_id, None)
-        if streamed is not None:
+        if streamed.layers:
             pages.layers.update((p.layer_idx, p) for p in streamed.layers)
-            parts = streamed.parts
-        for message in self._held.add(Queued(pages, time.monotonic(), pages.nbytes(), parts)):
+        for message in self._held.add(Queued(pages, time.monotonic(), pages.nbytes(), streamed.parts)):
             self._post(message)
         if not self._link_busy():
             self._post(self._held.take())
@@ -138,7 +133,7 @@ class NcclSender:
         by layer together, share messages). The request's final `send` takes the layers still
         held and says how many parts went before."""
         req_id = ticket.req_id
-        if req_id in self._broken:
+        if self._streams.is_broken(req_id):
             return
         if self._group is None:
             try:
@@ -146,16 +141,10 @@ class NcclSender:
             except RuntimeError as e:
                 self._break(req_id, str(e))
                 return
-        streamed = self._streamed.setdefault(req_id, _Streamed())
-        streamed.layers.extend(layers)
-        streamed.nbytes += sum(p.nbytes() for p in layers)
-        if streamed.nbytes < self.config.stream_bytes:
+        pages = self._streams.add(req_id, layers, self.config.stream_bytes)
+        if pages is None:
             return
-        carrier = StatePages(_carrier(req_id), layers={p.layer_idx: p for p in streamed.layers})
-        part = Queued(carrier, time.monotonic(), streamed.nbytes, part=True)
-        streamed.layers, streamed.nbytes = [], 0
-        streamed.parts += 1
-        for message in self._held.add(part):
+        for message in self._held.add(Queued(pages, time.monotonic(), pages.nbytes(), part=True)):
             self._post(message)
         if not self._link_busy():
             self._post(self._held.take())
@@ -163,15 +152,14 @@ class NcclSender:
     def _fail_queued(self, q: Queued, reason: str) -> None:
         """A request's entry cannot go: a part breaks its stream (the final send is then dropped)."""
         if q.part:
-            if q.pages.req_id not in self._broken:
+            if not self._streams.is_broken(q.pages.req_id):
                 self._break(q.pages.req_id, reason)
         else:
             self.ledger.fail(q.pages.req_id, reason)
 
     def _break(self, req_id: str, reason: str) -> None:
         """A streamed request failed before its final send: report it, drop what is held of it."""
-        self._streamed.pop(req_id, None)
-        self._broken.add(req_id)
+        self._streams.break_(req_id)
         self.ledger.fail(req_id, reason)
 
     def _link_busy(self) -> bool:
@@ -242,8 +230,7 @@ class NcclSender:
         Held, it never leaves (the others held go out now). Best effort once posted: its bytes are
         on the stream regardless, and the receiver reads the abort after them; never blocks."""
         self._held.drop(req_id)
-        if self._streamed.pop(req_id, None) is not None:
-            self._broken.add(req_id)  # its final send, if the engine still makes it, goes nowhere
+        self._streams.abort(req_id)
         if self._push is None or self._group is None:
             return
         self._post(self._held.take())
@@ -319,11 +306,9 @@ class NcclSender:
         req_ids = [q.pages.req_id for q in self._held.take()]
         for out in self._pending:
             req_ids += out.req_ids
-        for req_id, streamed in list(self._streamed.items()):
-            if streamed.parts:  # parts went on this pairing: the receiver drops them with it
-                del self._streamed[req_id]
-                self._broken.add(req_id)
-                req_ids.append(req_id)
+        for req_id in self._streams.with_parts():  # parts went on this pairing: the receiver drops them with it
+            self._streams.break_(req_id)
+            req_ids.append(req_id)
         for req_id in dict.fromkeys(req_ids):
             if not self.ledger.is_aborted(req_id):
                 self.ledger.fail(req_id, reason)
@@ -353,16 +338,3 @@ class NcclSender:
             self._push.close()
             self._push = None
 
-
-@dataclass(slots=True)
-class _Streamed:
-    """A request streamed layer by layer: its layers held for the next part, their bytes, parts posted."""
-
-    layers: list[LayerPages] = field(default_factory=list)
-    nbytes: int = 0
-    parts: int = 0
-
-
-def _carrier(req_id: str) -> RequestState:
-    """A part's pages need a RequestState only for their request id (its frame is not sent)."""
-    return RequestState(req_id, [], [], 0, {}, 0, 0)

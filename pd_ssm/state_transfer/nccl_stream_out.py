@@ -1,0 +1,82 @@
+"""StreamOut: the NCCL sender's bookkeeping of requests streamed layer by layer -- the layers held
+for each request's next part, the parts it has made, and the requests whose stream broke.
+
+Pure bookkeeping over the pages handed in (no device work, no sockets). A request's layers become a
+part once they reach `stream_bytes`; its final send takes the layers still held and the count of
+parts made. A stream breaks when a part of it cannot go (peer lost, a dtype the wire refuses) or
+the request is aborted: its failure is reported once, then its later layers and its final send
+are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from pd_ssm.cache.pages import LayerPages, RequestState, StatePages
+
+
+@dataclass(slots=True)
+class _Held:
+    layers: list[LayerPages] = field(default_factory=list)
+    nbytes: int = 0
+    parts: int = 0
+
+
+class Finished(NamedTuple):
+    layers: list[LayerPages]  # held, not sent in a part: they go with the final send
+    parts: int  # parts made before it
+
+
+class StreamOut:
+    def __init__(self) -> None:
+        self._held: dict[str, _Held] = {}
+        self._broken: set[str] = set()
+
+    def is_broken(self, req_id: str) -> bool:
+        return req_id in self._broken
+
+    def add(self, req_id: str, layers: Sequence[LayerPages], stream_bytes: int) -> StatePages | None:
+        """Hold `layers` of `req_id`; the part to send if they now reach `stream_bytes`.
+        NOTE: called once per layer per request (64 times for a 2.7B request): kept lean."""
+        held = self._held.get(req_id)
+        if held is None:
+            held = self._held[req_id] = _Held()
+        held.layers += layers
+        for page in layers:
+            held.nbytes += page.nbytes()
+        if held.nbytes < stream_bytes:
+            return None
+        part = StatePages(_carrier(req_id), layers={p.layer_idx: p for p in held.layers})
+        held.layers, held.nbytes = [], 0
+        held.parts += 1
+        return part
+
+    def finish(self, req_id: str) -> Finished | None:
+        """The request's final send: what is left of its stream (none if it never streamed), or
+        None if its stream broke (the send is dropped; its failure was reported then)."""
+        if req_id in self._broken:
+            self._broken.discard(req_id)
+            return None
+        held = self._held.pop(req_id, None)
+        return Finished([], 0) if held is None else Finished(held.layers, held.parts)
+
+    def break_(self, req_id: str) -> None:
+        """Its stream broke: what is held goes, and its later layers and final send are dropped."""
+        self._held.pop(req_id, None)
+        self._broken.add(req_id)
+
+    def abort(self, req_id: str) -> None:
+        """Aborted by the caller: a streamed request's final send (if the engine still makes it) goes nowhere."""
+        if self._held.pop(req_id, None) is not None:
+            self._broken.add(req_id)
+
+    def with_parts(self) -> list[str]:
+        """Requests with parts made (on the current pairing, which a lost peer takes with it)."""
+        return [req_id for req_id, held in self._held.items() if held.parts]
+
+
+def _carrier(req_id: str) -> RequestState:
+    """A part's pages need a RequestState only for their request id (its frame is not sent)."""
+    return RequestState(req_id, [], [], 0, {}, 0, 0)
