@@ -45,8 +45,10 @@ FMA_TILE = LinearTile(16, 256, 4, 3)
 # NOTE: its first 2048 weight columns are loaded before the PDL gate (pdl.py), i.e. while the
 # state update before out_proj still runs: 30.4-30.7 against 31.7-31.9 us per layer of the batch-1
 # decode chain (benchmarks/pdl_gpu.py, H200, RESULTS.md session 6); in_proj gains nothing from it
-# (its predecessor, the residual norm, is too short), and 1024 columns there left 2 programs per SM
-FMA_TILE_NARROW = LinearTile(8, 512, 4, 4, prefetch_k=2048)  # N <= 4096
+# (its predecessor, the residual norm, is too short), and 1024 columns there left 2 programs per SM.
+# 4-row tiles: out_proj's 2560 rows make 640 programs (8 rows: 320 on 132 SMs, 3 against 2.4 a
+# SM): 29.9 against 30.7-30.8 us per layer, bit-equal (session 7)
+FMA_TILE_NARROW = LinearTile(4, 512, 4, 4, prefetch_k=2048)  # N <= 4096
 # NOTE: at 32 and 128 rows the DOT path lost to cuBLAS (0.66-0.95x, too few programs without split-K),
 # so `linear_triton` keeps cuBLAS there; the path stays for the sweep and the tests
 DOT_TILE = LinearTile(32, 128, 4, 4)
