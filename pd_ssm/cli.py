@@ -109,7 +109,7 @@ def _add_bench_transfer(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--stream-model", default=None, help="default: Mamba2-2.7B shape (dummy) on CUDA, tiny on CPU")
     p.add_argument("--stream-tokens", type=int, default=2048)
     p.add_argument("--stream-bytes", type=int, default=None,
-                   help="nccl streaming: bytes of layers a part holds (default NcclConfig's, 64 MiB; --tiny: 4 KiB)")
+                   help="nccl streaming: bytes of layers a part holds (default NcclConfig's, 32 MiB; --tiny: 4 KiB)")
     p.add_argument("--tiny", action="store_true", help="tiny page shapes (smoke tests)")
     p.add_argument("--json", default=None, metavar="FILE", help="write every figure to FILE")
     p.set_defaults(func=_bench_transfer)

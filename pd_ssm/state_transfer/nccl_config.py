@@ -32,10 +32,10 @@ class NcclConfig:
     # finishes it, which rules out prefill CUDA graphs); off: each request whole, after the forward
     stream_layers: bool = False
     # sender, streaming: layers go as one part once they reach this many bytes (a 2.6 MB message
-    # per layer reaches ~92 GB/s on the H200 pair, TARGETS.md). Each part costs the hosts ~0.1-0.2 ms
-    # (RESULTS.md session 7), so few and large: 64 MB, 2-3 per 2.7B request; what is left after the
-    # prefill (at most this much) then takes ~0.2 ms of link
-    stream_bytes: int = 64 << 20
+    # per layer reaches ~92 GB/s on the H200 pair, TARGETS.md): ~5 parts per fp32 2.7B request.
+    # 64 MB parts were no faster in a burst of 8 (RESULTS.md session 7: the per-layer host work
+    # dominates there), and what is left after the prefill (at most this much) takes longer
+    stream_bytes: int = 32 << 20
     backend: str = field(init=False, default="")
 
     def __post_init__(self) -> None:

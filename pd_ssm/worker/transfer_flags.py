@@ -22,7 +22,7 @@ def add_transfer_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-layers", action="store_true",
                    help="nccl: prefill workers send each layer's pages as the forward finishes it (in part messages; "
                         "the prefill then runs eager, without CUDA graphs); zmq always streams")
-    p.add_argument("--stream-bytes", type=int, default=64 << 20,
+    p.add_argument("--stream-bytes", type=int, default=32 << 20,
                    help="nccl with --stream-layers: a part message leaves once it holds this many bytes of layers")
     p.add_argument("--max-unsent", type=int, default=64,
                    help="prefill workers: requests without a decode worker's ticket held at most; past it, new "
