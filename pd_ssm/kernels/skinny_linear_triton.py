@@ -41,7 +41,10 @@ class LinearTile(NamedTuple):
 # NOTE: the fastest of benchmarks/linear_gpu.py's sweep on an H200 (RESULTS.md, 2026-11-30): one row,
 # in_proj [10576 x 2560] 14.7 us (3.69 TB/s, cuBLAS 15.8 us) and out_proj [2560 x 5120] 8.5 us
 # (3.09 TB/s, cuBLAS 11.0 us); narrow outputs want narrower tiles (more programs than SMs)
-FMA_TILE = LinearTile(16, 256, 4, 3)
+# 32-row tiles (session 7): the batch-1 chain 30.15 against 30.72 us per layer, the engine's batch-1
+# step 2.087-2.089 against 2.135-2.137 ms in one A/B call (ids-only rows level); the same K
+# blocking, so the same bits
+FMA_TILE = LinearTile(32, 256, 4, 3)
 # NOTE: its first 2048 weight columns are loaded before the PDL gate (pdl.py), i.e. while the
 # state update before out_proj still runs: 30.4-30.7 against 31.7-31.9 us per layer of the batch-1
 # decode chain (benchmarks/pdl_gpu.py, H200, RESULTS.md session 6); in_proj gains nothing from it
