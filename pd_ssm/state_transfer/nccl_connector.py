@@ -150,7 +150,7 @@ class NcclConnector(StreamingConnector):
         self._sender().pair(rendezvous)
 
     def send(self, pages: StatePages, ticket: Ticket) -> None:
-        """The whole request in one call (no layer-wise streaming: see the module docstring): posted
+        """The request -- whole, or its last part after `send_layers` (module docstring): posted
         at once if the link is idle, else held and coalesced with the requests sent meanwhile
         (posted by the next call that is not a `send`, or when they reach `coalesce_bytes`). Its
         metadata goes over ZMQ. Failures -- no receiver to re-pair with,

@@ -29,10 +29,13 @@ class Finished(NamedTuple):
     parts: int  # parts made before it
 
 
+_MAX_BROKEN = 1 << 16  # broken streams remembered: an aborted request's final send may never come
+
+
 class StreamOut:
     def __init__(self) -> None:
         self._held: dict[str, _Held] = {}
-        self._broken: set[str] = set()
+        self._broken: dict[str, None] = {}  # insertion-ordered: the oldest is forgotten first
 
     def is_broken(self, req_id: str) -> bool:
         return req_id in self._broken
@@ -57,7 +60,7 @@ class StreamOut:
         """The request's final send: what is left of its stream (none if it never streamed), or
         None if its stream broke (the send is dropped; its failure was reported then)."""
         if req_id in self._broken:
-            self._broken.discard(req_id)
+            del self._broken[req_id]
             return None
         held = self._held.pop(req_id, None)
         return Finished([], 0) if held is None else Finished(held.layers, held.parts)
@@ -65,12 +68,17 @@ class StreamOut:
     def break_(self, req_id: str) -> None:
         """Its stream broke: what is held goes, and its later layers and final send are dropped."""
         self._held.pop(req_id, None)
-        self._broken.add(req_id)
+        self._mark(req_id)
 
     def abort(self, req_id: str) -> None:
         """Aborted by the caller: a streamed request's final send (if the engine still makes it) goes nowhere."""
         if self._held.pop(req_id, None) is not None:
-            self._broken.add(req_id)
+            self._mark(req_id)
+
+    def _mark(self, req_id: str) -> None:
+        self._broken[req_id] = None
+        if len(self._broken) > _MAX_BROKEN:
+            del self._broken[next(iter(self._broken))]
 
     def with_parts(self) -> list[str]:
         """Requests with parts made (on the current pairing, which a lost peer takes with it)."""
