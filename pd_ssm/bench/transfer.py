@@ -12,7 +12,7 @@
           (parts of `NcclConfig.stream_bytes`), against the same raw figure (target >= 80%).
   stream  layer-wise streaming of a real engine prefill into a ZmqConnector: prefill time,
           transfer time and how much of the transfer hid behind the prefill (transfer_stream.py);
-          `stream-nccl` the same into an NcclConnector streaming in part messages.
+          `stream-nccl` the same into an NcclConnector streaming in parts.
 
 Pages: `mamba2` = Mamba2-2.7B (64 SSM layers, conv [5376, 3] in bf16, SSM [80, 64, 128] in the
 state dtype); `hybrid` = the same with every 8th layer attention instead (56 SSM + 8 attention

@@ -158,8 +158,7 @@ class NcclConnector(StreamingConnector):
         tx = self._sender()
         if ticket.req_id != pages.req_id:
             raise ValueError(f"ticket names {ticket.req_id!r} but the pages are of {pages.req_id!r}")
-        if ticket.expired():
-            raise ValueError(f"the reservation of {ticket.req_id!r} expired {-ticket.remaining():.3f} s ago")
+        _check_live(ticket)
         self.ledger.forget_abort(pages.req_id)  # a resent request id is a new transfer
         tx.send(pages, ticket)
 
@@ -169,10 +168,9 @@ class NcclConnector(StreamingConnector):
 
     def send_layers(self, ticket: Ticket, layers: Sequence[LayerPages]) -> None:
         """Layer-wise streaming (`NcclConfig.stream_layers`): some layers of a request ahead of its
-        final `send`; they leave as a part message once `stream_bytes` of them are held."""
+        final `send`; they leave as a part once `stream_bytes` of them are held."""
         tx = self._sender()
-        if ticket.expired():
-            raise ValueError(f"the reservation of {ticket.req_id!r} expired {-ticket.remaining():.3f} s ago")
+        _check_live(ticket)
         if ticket.address != tx.address and tx.address is not None:
             raise ValueError(f"ticket of {ticket.req_id!r} names {ticket.address}, this connector sends to {tx.address}")
         tx.send_layers(ticket, layers)
@@ -243,3 +241,9 @@ class NcclConnector(StreamingConnector):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this NcclConnector is closed")
+
+
+def _check_live(ticket: Ticket) -> None:
+    """ValueError if the decode side has let the reservation go (`send` and `send_layers`)."""
+    if ticket.expired():
+        raise ValueError(f"the reservation of {ticket.req_id!r} expired {-ticket.remaining():.3f} s ago")

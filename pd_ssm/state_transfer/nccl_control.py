@@ -57,11 +57,6 @@ class Control:
         return Control("data", gen, tuple(req_ids), tuple(sizes), tuple(parts or [0] * len(req_ids)))
 
     @property
-    def carries_bytes(self) -> bool:
-        """A data message: a p2p message follows it on the stream."""
-        return self.kind == "data"
-
-    @property
     def nbytes(self) -> int:
         """Size of the p2p message that follows a "data" control."""
         return sum(self.sizes)

@@ -23,7 +23,7 @@ from pd_ssm.state_transfer.nccl_control import PARTS_PER_REQUEST, Control
 from pd_ssm.state_transfer.nccl_message import Headers, RunMeta, parse_request, parse_tensors
 from pd_ssm.state_transfer.wire import FrameError
 
-# a request's frame (None in a part message) and runs, or why they are refused
+# a request's frame (None for a part) and runs, or why they are refused
 Parsed = tuple[RequestState | None, list[RunMeta]] | str
 
 
@@ -43,7 +43,7 @@ class Inbound:
     @property
     def done(self) -> bool:
         """Every request of it acted on (a hello or an abort: itself)."""
-        return self.next >= (len(self.control.req_ids) if self.control.carries_bytes else 1)
+        return self.next >= (len(self.control.req_ids) if self.control.kind == "data" else 1)
 
     def parse(self, memo: Headers | None = None) -> list[Parsed]:
         """Each request's frame and run headers, checked against its part of the buffer; once.

@@ -257,7 +257,7 @@ def unpack(
 def unpack_runs(
     metas: list[RunMeta], buf: torch.Tensor, device: torch.device, sums: tuple[bytes, bytes] | None = None
 ) -> list[PageRun]:
-    """`unpack`'s runs, checked, without a request (a part message's)."""
+    """`unpack`'s runs, checked, without a request (a part's)."""
     if sums is None:
         sums = block_sums_of(buf, align(metas[-1].offset + metas[-1].nbytes) if metas else 0)
     mine, theirs = sums

@@ -72,8 +72,8 @@ class NcclReceiver:
         # NCCL: block sums run here behind each recv, off the stream the decode engine computes on
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._pinned = PinnedPool() if self._side is not None else None  # where those sums land on the host
-        self._streamed = StreamedParts()  # layer-wise streaming: parts held until their data message
-        # streamed requests failed before their data message: their later messages are dropped
+        self._streamed = StreamedParts()  # layer-wise streaming: parts held until their request's last entry
+        # streamed requests failed before their last entry: their later entries are dropped
         # silently (one failure per request); bounded, a dead sender's never come
         self._failed_streams: dict[str, None] = {}
 
@@ -106,7 +106,7 @@ class NcclReceiver:
         request while this one is checked, so the link does not idle between requests. A hello or
         abort ends the batch (it must act after the messages before it, and a hello changes the
         group that later recvs go on)."""
-        while not self._queue or (self._queue[-1].control.carries_bytes and self._posted_bytes() < self.config.recv_window):
+        while not self._queue or (self._queue[-1].control.kind == "data" and self._posted_bytes() < self.config.recv_window):
             if not self._pull.poll(0):
                 return
             item = self._read(self._pull.recv_multipart())
@@ -136,7 +136,7 @@ class NcclReceiver:
             self.ledger.fail_anonymous("malformed", f"side-channel message dropped: {e}")
             return None
         item = Inbound(msg, control, authentic, time.monotonic())
-        if not control.carries_bytes:
+        if control.kind != "data":
             return item
         if self._group is None or control.gen != self._group.gen:
             item.lost = f"sent on pairing generation {control.gen}, which is gone (its sender died or was replaced)"
@@ -178,7 +178,7 @@ class NcclReceiver:
         """The next message in order: act on it, or on the next of its requests -- waiting for its
         bytes, then checking that request."""
         control = item.control
-        if not control.carries_bytes:
+        if control.kind != "data":
             item.next = 1
             if control.kind == "hello":
                 self._hello(control, item.authentic)
@@ -227,7 +227,7 @@ class NcclReceiver:
             request, metas = parsed
             assert item.buf is not None
             runs = unpack_runs(metas, item.buf, self.recv_device, item.block_sums())
-            if request is None:  # a part: checked and held until the request's data message
+            if request is None:  # a part: checked and held until the request's last entry
                 self._streamed.add(req_id, runs)
                 return None
             runs = self._streamed.finish(req_id, control.parts[i], runs)
@@ -308,11 +308,11 @@ class NcclReceiver:
             if item.work is not None:
                 item.work = None
                 item.lost = f"peer lost mid-transfer ({item.control.nbytes} B): {reason}"
-        for req_id in self._streamed.req_ids():  # their data messages cannot come on a new pairing
+        for req_id in self._streamed.req_ids():  # their last entries cannot come on a new pairing
             self._streamed.drop(req_id)
             if not self.ledger.is_aborted(req_id):
                 self._fail(req_id, f"peer lost between the parts of the request: {reason}")
-            self._mark_failed(req_id)  # a data message of the old pairing read later: already failed
+            self._mark_failed(req_id)  # an entry of the old pairing read later: already failed
         if self._group is not None:
             if self._store is not None:
                 self._store.set(dropped_key(self._group.gen), reason)

@@ -1,10 +1,10 @@
 """StreamedParts: the NCCL receiver's bookkeeping of requests streamed layer by layer -- the runs of
-their part messages, checked and held until the request's data message completes them.
+their parts, checked and held until the request's last entry completes them.
 
 Pure bookkeeping over the runs (views of the received buffers, which they keep alive); no
-device work. Every (tensor name, layer) must come exactly once over a request's parts and its data
-message, a layer of one page kind only, and the data message must count the parts that came
-(the side channel and the p2p stream are FIFO, so a part never arrives after its data message;
+device work. Every (tensor name, layer) must come exactly once over a request's parts and its last
+entry, a layer of one page kind only, and the last entry must count the parts that came
+(the side channel and the p2p stream are FIFO, so a part never arrives after its last entry;
 one missing means it failed or was dropped, and so does the request).
 """
 
@@ -38,7 +38,7 @@ class StreamedParts:
         return list(self._held)
 
     def add(self, req_id: str, runs: list[PageRun]) -> None:
-        """One part message's runs of `req_id`; FrameError (nothing kept of this part) if a layer
+        """One part's runs of `req_id`; FrameError (nothing kept of this part) if a layer
         came before or under another page kind."""
         held = self._held.setdefault(req_id, _Held())
         _claim(held, req_id, runs)
@@ -46,16 +46,16 @@ class StreamedParts:
         held.parts += 1
 
     def finish(self, req_id: str, parts: int, runs: list[PageRun]) -> list[PageRun]:
-        """The request's data message: its `runs` and the `parts` it says went before -> every run
+        """The request's last entry: its `runs` and the `parts` it says went before -> every run
         of the request, in layer order. FrameError if the count or a layer disagrees; the request
         is forgotten either way."""
         held = self._held.pop(req_id, None)
         if held is None:
             if parts:
-                raise FrameError(f"{req_id!r}: its data message counts {parts} part(s) before it, none arrived")
+                raise FrameError(f"{req_id!r}: its last entry counts {parts} part(s) before it, none arrived")
             return runs
         if held.parts != parts:
-            raise FrameError(f"{req_id!r}: its data message counts {parts} part(s) before it, {held.parts} arrived")
+            raise FrameError(f"{req_id!r}: its last entry counts {parts} part(s) before it, {held.parts} arrived")
         _claim(held, req_id, runs)
         return sorted(held.runs + runs, key=lambda r: (r.layers[0], r.name))
 

@@ -20,10 +20,10 @@ def add_transfer_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--send-timeout", type=float, default=5.0,
                    help="seconds a message may wait for its peer to accept it before the transfer fails")
     p.add_argument("--stream-layers", action="store_true",
-                   help="nccl: prefill workers send each layer's pages as the forward finishes it (in part messages; "
+                   help="nccl: prefill workers send each layer's pages as the forward finishes it (in parts; "
                         "the prefill then runs eager, without CUDA graphs); zmq always streams")
     p.add_argument("--stream-bytes", type=int, default=32 << 20,
-                   help="nccl with --stream-layers: a part message leaves once it holds this many bytes of layers")
+                   help="nccl with --stream-layers: a part leaves once it holds this many bytes of layers")
     p.add_argument("--max-unsent", type=int, default=64,
                    help="prefill workers: requests without a decode worker's ticket held at most; past it, new "
                         "prefill requests wait on the host, so their state pages do not pile up on the GPU "
