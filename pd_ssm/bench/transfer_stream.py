@@ -1,8 +1,8 @@
 """`bench transfer`, stream part: how much of the transfer layer-wise streaming hides behind prefill.
 
 A prefill engine (`Engine.stream_prefills_to`) ships a request of `tokens` random tokens through
-a ConnectorSink into a ZmqConnector -- or, `connector="nccl"`, an NcclConnector streaming in part
-messages (NcclConfig.stream_layers; cuda:0 -> cuda:1 on CUDA, gloo on the CPU) -- whose receiver
+a ConnectorSink into a ZmqConnector -- or, `connector="nccl"`, an NcclConnector streaming in parts
+(NcclConfig.stream_layers; cuda:0 -> cuda:1 on CUDA, gloo on the CPU) -- whose receiver
 runs in a spawned process of its own, as a decode worker does (a receiving thread here would take the GIL from the host-bound eager forward
 it is meant to overlap: 180.8 ms streamed against 98.5 ms sequential on the H200, RESULTS.md
 session 4). Per run:
