@@ -27,6 +27,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode or prefill steps)")
     p.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
                    help="capture CUDA graphs for decode steps only; prefill steps run eagerly")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch each decode step before the previous step's tokens are read, hiding "
+                        "detokenizing and scheduling behind the GPU (default: on for CUDA, off on the CPU)")
 
 
 def llm_from_args(args: argparse.Namespace) -> Any:
@@ -48,6 +51,7 @@ def llm_from_args(args: argparse.Namespace) -> Any:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         prefill_cuda_graphs=args.prefill_cuda_graphs,
+        async_scheduling=args.async_scheduling,
     )
 
 
@@ -93,6 +97,8 @@ def _add_bench_engine(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup-steps", type=int, default=8)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="read every step's tokens before the next step is launched")
     p.add_argument("--json", default=None, metavar="FILE", help="write every figure to FILE")
     p.set_defaults(func=_bench_engine)
 
@@ -162,7 +168,9 @@ def _bench_engine(args: argparse.Namespace) -> int:
         prefill_runs=args.prefill_runs, batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
         decode_steps=args.decode_steps, warmup_steps=args.warmup_steps,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
     )
+
     def progress(row: Any) -> None:
         print(f"[bench] {row.name}: {row.measured_ms:.3f} ms (floor {row.floor_ms:.3f} ms)", file=sys.stderr, flush=True)
 

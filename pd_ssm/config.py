@@ -394,6 +394,10 @@ class EngineConfig:
     # with CUDA graphs on, also capture prefill-only steps per (tokens, sequences) bucket
     # (engine/prefill_graphs.py); False: prefill steps run eagerly
     prefill_cuda_graphs: bool = True
+    # vLLM's name (SGLang: the overlap scheduler): launch a decode step before the previous step's
+    # tokens are read, so detokenizing and scheduling hide behind the GPU (engine/inflight.py).
+    # None: on for CUDA, off on the CPU (whose kernels run in the calling thread: nothing to hide)
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "safetensors", "dummy"):
@@ -412,6 +416,12 @@ class EngineConfig:
 
     def resolve_dtype(self, model: ModelConfig) -> torch.dtype:
         return model.dtype if self.dtype == "auto" else parse_dtype(self.dtype)
+
+    @property
+    def use_async_scheduling(self) -> bool:
+        if self.async_scheduling is None:
+            return torch.device(self.device).type == "cuda"
+        return self.async_scheduling
 
     @property
     def use_cuda_graphs(self) -> bool:

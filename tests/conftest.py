@@ -94,8 +94,8 @@ def record_logits(llm: Any) -> dict[str, list[torch.Tensor]]:
     runner = llm.engine.runner
     inner = runner.forward_logits
 
-    def wrapped(sched: Any) -> Any:
-        logits, reqs = inner(sched)
+    def wrapped(sched: Any, *args: Any) -> Any:
+        logits, reqs = inner(sched, *args)
         for row, req in zip(logits, reqs, strict=True):
             seen.setdefault(req.req_id, []).append(row.detach().clone())
         return logits, reqs
@@ -155,6 +155,7 @@ def pool_invariants_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
         self.cache.check()
         held = {r.req_id for r in self.requests.values() if self.cache.holds(r.req_id)}
         held |= {rid for rid in self.reserved if self.cache.holds(rid)}
+        held |= {r.req_id for r in self.in_flight if self.cache.holds(r.req_id)}  # read next step
         assert self.cache.num_used_slots == len(held), "a slot is held by no live request or reservation"
         return out
 

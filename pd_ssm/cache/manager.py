@@ -70,8 +70,11 @@ class CacheManager:
         return bool(self._free_slots) and self.blocks_needed(num_tokens) <= len(self._free_blocks)
 
     def can_grow(self, req_id: str, num_tokens: int) -> bool:
-        have = len(self._by_request[req_id].blocks)
-        return self.blocks_needed(num_tokens) - have <= len(self._free_blocks)
+        return self.blocks_to_grow(req_id, num_tokens) <= len(self._free_blocks)
+
+    def blocks_to_grow(self, req_id: str, num_tokens: int) -> int:
+        """Blocks the request would take to cover `num_tokens` tokens (0 when it already does)."""
+        return max(0, self.blocks_needed(num_tokens) - len(self._by_request[req_id].blocks))
 
     # --- changes -------------------------------------------------------------------------
     def allocate(self, req_id: str, num_tokens: int) -> int:

@@ -38,6 +38,7 @@ import torch
 from pd_ssm.cache.pool import CachePool
 from pd_ssm.config import ModelConfig
 from pd_ssm.engine.forward_meta import ForwardMeta
+from pd_ssm.engine.inflight import TokenFeed
 from pd_ssm.kernels.dispatch import Kernels
 from pd_ssm.models.base import CausalLM
 
@@ -279,15 +280,17 @@ class DecodeGraphs:
         self.buffers.pad_with_scratch(size, self.scratch_slot)
         decode_step(self.model, self.pool, self.buffers, size)
 
-    def run(self, rows: DecodeRows) -> torch.Tensor:
+    def run(self, rows: DecodeRows, feed: TokenFeed | None = None) -> torch.Tensor:
         """Logits [B, vocab] fp32 of B decode rows: a view of the static buffer, valid until the
-        next call."""
+        next call.  `feed` writes the rows' tokens that are still on the device (async scheduling)."""
         b = len(rows.input_ids)
         size = bucket_for(b, self.sizes)
         if size is None:
             raise ValueError(f"{b} decode rows exceed the largest captured batch {self.max_size}")
         padded = pad_decode(rows, size, scratch_slot=self.scratch_slot, max_width=self.width)
         self.buffers.fill(padded)
+        if feed is not None:
+            feed.apply(self.buffers.stage)  # input ids are the stage's first P values
         graph = self.graphs.get(size)
         if graph is not None:
             graph.replay()

@@ -14,6 +14,11 @@ On CUDA the engine sizes its pools from `gpu_memory_utilization` after loading t
 profiling a step (memory_plan.py), and captures CUDA graphs for decode-only steps unless
 `enforce_eager` (cuda_graphs.py); on the CPU the pools keep CacheConfig's sizes and every step
 runs eagerly.
+
+With async scheduling (on by default on CUDA, inflight.py) a decode-only step is launched before
+the previous step's tokens are read, and `step()` returns the outputs of the steps it read: in a
+steady decode batch, those of the step before the one it launched.  `has_unfinished()` stays True
+until every launched step has been read.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from pd_ssm.cache.pool import CachePool
 from pd_ssm.config import EngineConfig, ModelConfig
 from pd_ssm.engine.cuda_graphs import DecodeGraphs, capture_sizes, check_capturable, table_width
 from pd_ssm.engine.decode_manager import DecodeManager
+from pd_ssm.engine.device_sample import SamplerOutput
+from pd_ssm.engine.inflight import InflightStep, launch_ahead_ok
 from pd_ssm.engine.layer_export import LayerExporter, PageSink
 from pd_ssm.engine.memory_plan import (
     CachePlan,
@@ -149,6 +156,10 @@ class Engine:
         self._ids = itertools.count()
         # prefill role (stream_prefills_to): finished prefills leave through it, not to a decode batch
         self.exporter: LayerExporter | None = None
+        self.async_scheduling = config.use_async_scheduling
+        self._inflight: InflightStep | None = None  # launched, its tokens not read yet
+        # outputs of a step read outside step() (export_request), handed out by the next step()
+        self._undelivered: list[RequestOutput] = []
 
     def _plan_pools(
         self, start: MemorySnapshot, declared_len: int, graph_sizes: list[int], prefill_graphs: bool
@@ -219,18 +230,28 @@ class Engine:
             return None
         if self.exporter is not None:
             self.exporter.cancel(req_id)  # a ticket may wait for it in the sink
-        self.scheduler.release(req)
         req.finish("abort")
+        if not req.num_inflight:
+            self.scheduler.release(req)
+        # else: the step in flight still writes its slot; it is released when that step is read
         self.outputs.forget(req_id)
         return self.outputs.output(req, [], "")
 
+    @property
+    def in_flight(self) -> list[Request]:
+        """Requests of the step launched and not read yet (async scheduling); some may be finished
+        already: they hold their cache until that step is read."""
+        return list(self._inflight.reqs) if self._inflight is not None else []
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None or bool(self._undelivered)
 
     # --- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        results, self._undelivered = self._undelivered, []
+        if self._inflight is not None and not launch_ahead_ok(self.scheduler, self.cache, self.max_model_len):
+            results += self._read_inflight()
         sched = self.scheduler.schedule()
-        results: list[RequestOutput] = []
         for req in sched.preempted:
             if req.finished:  # a decode-only engine had to drop it
                 self.requests.pop(req.req_id, None)
@@ -238,12 +259,29 @@ class Engine:
             else:
                 log.debug("preempted %s (recompute #%d)", req.req_id, req.num_preemptions)
         if sched.empty:
+            if self._inflight is not None:
+                results += self._read_inflight()
             return results
-        step = self.runner.step(sched)
+        launched = self.runner.launch(sched, self._inflight)
         for seq in sched.seqs:
             seq.request.num_computed_tokens += seq.num_new_tokens
+        if self.async_scheduling and self.exporter is None and not sched.prefills and launched.sample is not None:
+            for req in launched.reqs:
+                req.num_inflight += 1
+            older, self._inflight = self._inflight, InflightStep(launched.reqs, launched.sample)
+            if older is not None:  # read while the step just launched runs
+                results += self._read(older)
+            return results
+        # NOTE: a step with prefill chunks is scheduled only after the step in flight was read
+        assert self._inflight is None, "a synchronous step was launched behind a step in flight"
+        sampled = launched.sample.host() if launched.sample is not None else SamplerOutput([], [])
+        return results + self._apply(launched.reqs, sampled)
+
+    def _apply(self, reqs: list[Request], sampled: SamplerOutput) -> list[RequestOutput]:
+        """Outputs of a step read as soon as it ran (prefill chunks, or async scheduling off)."""
+        results: list[RequestOutput] = []
         prefilling = self.scheduler.prefill.prefilling if self.scheduler.prefill else []
-        for req, token, logprobs in step.sampled:
+        for req, token, logprobs in zip(reqs, sampled.token_ids, sampled.logprobs, strict=True):
             was_prefill = req in prefilling
             new_text = self.outputs.append(req, token, logprobs)
             if req.finished:
@@ -258,6 +296,29 @@ class Engine:
                     self._ship(req)
                     continue
                 self.scheduler.add_decoding(req)
+            if req.finished or req.params.output_kind != "final_only":
+                results.append(self.outputs.output(req, [token], new_text))
+        return results
+
+    def _read_inflight(self) -> list[RequestOutput]:
+        step, self._inflight = self._inflight, None
+        return self._read(step) if step is not None else []
+
+    def _read(self, step: InflightStep) -> list[RequestOutput]:
+        """Read a decode step launched ahead: its tokens join their requests (waits for them)."""
+        sampled = step.sample.host()
+        results: list[RequestOutput] = []
+        for req, token, logprobs in zip(step.reqs, sampled.token_ids, sampled.logprobs, strict=True):
+            req.num_inflight -= 1
+            if req.finished:  # aborted, or finished by its previous token: this one is dropped
+                if not req.num_inflight:
+                    self.scheduler.release(req)
+                continue
+            new_text = self.outputs.append(req, token, logprobs)
+            if req.finished:
+                self.requests.pop(req.req_id, None)
+                if not req.num_inflight:  # else a later step in flight still writes its slot
+                    self.scheduler.release(req)
             if req.finished or req.params.output_kind != "final_only":
                 results.append(self.outputs.output(req, [token], new_text))
         return results
@@ -293,7 +354,11 @@ class Engine:
 
     def export_request(self, req_id: str) -> StatePages:
         """Snapshot a request's cache and bookkeeping, then release it here."""
-        req = self.requests[req_id]
+        if self.requests[req_id].num_inflight:
+            self._undelivered += self._read_inflight()
+        req = self.requests.get(req_id)
+        if req is None:  # it finished with the token just read
+            raise RequestError(f"request {req_id!r} finished before it could be exported")
         if req.num_computed_tokens == 0 or not self.cache.holds(req_id):
             raise RequestError(f"request {req_id!r} holds no computed state to export yet")
         state = self._request_state(req)

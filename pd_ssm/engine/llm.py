@@ -40,6 +40,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         prefill_cuda_graphs: bool = True,
+        async_scheduling: bool | None = None,
     ) -> None:
         if model is None:
             from pd_ssm.default_model import default_model_dir
@@ -55,6 +56,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
             prefill_cuda_graphs=prefill_cuda_graphs,
+            async_scheduling=async_scheduling,
             cache=CacheConfig(
                 num_state_slots=num_state_slots or max_num_seqs,
                 num_kv_blocks=num_kv_blocks,

@@ -65,7 +65,8 @@ class OutputProcessor:
             return "stop", None
         if n_out >= p.min_tokens and token in p.stop_token_ids:
             return "stop", token
-        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        # NOTE: tokens read so far, not req.num_tokens: a later step may already be in flight
+        if n_out >= req.max_tokens or req.num_prompt_tokens + n_out >= self.max_model_len:
             return "length", None
         return None
 

@@ -9,18 +9,25 @@ the batch fits the largest bucket, prefill-only steps through `prefill_graphs`
 (prefill_graphs.PrefillGraphs) when a bucket holds them; steps that mix decodes and prefill chunks,
 and every step on the CPU or with enforce_eager, run eagerly.  All paths return the same logits
 for the same batch.
+
+`launch` queues a step and its sampling without reading anything back (the sampled tokens stay on
+the device, device_sample.py); `step` is launch + read.  A decode row whose input token is still on
+the device (async scheduling, inflight.py) gets it through a TokenFeed, copied on the device into
+the step's input ids after the host values are in place.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from pd_ssm.cache.manager import CacheManager
 from pd_ssm.cache.pool import CachePool
 from pd_ssm.engine.cuda_graphs import DecodeGraphs, DecodeRows
+from pd_ssm.engine.device_sample import DeviceSample, SamplerOutput
 from pd_ssm.engine.forward_meta import ForwardMeta
+from pd_ssm.engine.inflight import InflightStep, TokenFeed, token_feed
 from pd_ssm.engine.layer_export import LayerExporter
 from pd_ssm.engine.prefill_graphs import PrefillGraphs, VarlenRows
 from pd_ssm.engine.request import Request
@@ -29,9 +36,11 @@ from pd_ssm.engine.schedule_types import ScheduledSeq, SchedulerOutput
 from pd_ssm.models.base import CausalLM
 
 
-@dataclass(slots=True)
-class StepResult:
-    sampled: list[tuple[Request, int, dict[int, float] | None]]  # (request, token, logprobs)
+class Launched(NamedTuple):
+    """A queued step: the requests that sample (row order) and their tokens, still on the device."""
+
+    reqs: list[Request]
+    sample: DeviceSample | None  # None when no request samples this step
 
 
 class ModelRunner:
@@ -119,7 +128,9 @@ class ModelRunner:
         uses_kv = self.cache.uses_kv
         for req, _ in decodes:
             pos = req.num_computed_tokens  # the one pending token is the last one
-            ids.append(req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1])
+            # NOTE: a token in flight is not on the host yet: its row gets it from a TokenFeed
+            ids.append(-1 if req.num_inflight else
+                       req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1])
             positions.append(pos)
             slots.append(self.cache.slot(req.req_id))
             if uses_kv:
@@ -132,11 +143,13 @@ class ModelRunner:
         return DecodeRows(ids, positions, slot_mapping, slots, tables)
 
     @torch.inference_mode()
-    def forward_logits(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
+    def forward_logits(self, sched: SchedulerOutput, feed: TokenFeed | None = None) -> tuple[torch.Tensor, list[Request]]:
         """Run the step; return [N, vocab] fp32 logits for the N requests that sample, and them."""
         if self.graphs is not None and not sched.prefills and self.graphs.can_run(len(sched.decodes)):
             # every decode row samples: its one pending token is fed
-            return self.graphs.run(self.decode_rows(sched.decodes)), [seq.request for seq in sched.decodes]
+            return self.graphs.run(self.decode_rows(sched.decodes), feed), [seq.request for seq in sched.decodes]
+        if feed is not None and sched.prefills:
+            raise RuntimeError("tokens in flight feed decode-only steps; this step has prefill chunks")
         # per-layer export of the prefills that finish in this step: eager only (graphs run no hook)
         stream = self.layer_export.begin(sched) if self.layer_export is not None else None
         pg = self.prefill_graphs
@@ -146,6 +159,8 @@ class ModelRunner:
             hidden = pg.run(host)
         else:
             input_ids, positions, meta, rows = self.build(sched)
+            if feed is not None:
+                feed.apply(input_ids)  # decodes come first: decode row i is input row i
             meta.on_layer = stream
             hidden = self.model(input_ids, positions, meta, self.pool)
         sampling = [seq.request for seq in sched.seqs if seq.request.num_computed_tokens + seq.num_new_tokens
@@ -155,14 +170,24 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         return logits, sampling
 
-    def step(self, sched: SchedulerOutput) -> StepResult:
-        logits, reqs = self.forward_logits(sched)
+    def launch(self, sched: SchedulerOutput, inflight: InflightStep | None = None) -> Launched:
+        """Queue the step and its sampling; nothing is read back.  Decode rows of requests with a
+        token in flight take it from `inflight` on the device."""
+        feed = token_feed([seq.request for seq in sched.decodes], inflight)
+        logits, reqs = self.forward_logits(sched, feed)
         if not reqs:
-            return StepResult([])
-        out = self.sampler(
+            return Launched([], None)
+        sample = self.sampler.sample(
             logits,
             [r.params for r in reqs],
             [r.seed for r in reqs],
             [r.sample_offset for r in reqs],
         )
-        return StepResult(list(zip(reqs, out.token_ids, out.logprobs, strict=True)))
+        return Launched(reqs, sample)
+
+    def step(self, sched: SchedulerOutput) -> tuple[list[Request], SamplerOutput]:
+        """Run the step and read its tokens: (requests that sampled, their tokens and logprobs)."""
+        launched = self.launch(sched)
+        if launched.sample is None:
+            return [], SamplerOutput([], [])
+        return launched.reqs, launched.sample.host()

@@ -31,11 +31,11 @@ CUDA, element t of a row comes from Philox subsequence t as long as V <= SMs * m
 from __future__ import annotations
 
 import secrets
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from pd_ssm.engine.device_sample import DeviceSample, LogprobParts, SamplerOutput
 from pd_ssm.sampling_params import SamplingParams
 
 # NOTE: below this temperature a row samples greedily (vLLM's _SAMPLING_EPS); logits / T would
@@ -44,11 +44,6 @@ GREEDY_EPS = 1e-5
 
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
-
-
-class SamplerOutput(NamedTuple):
-    token_ids: list[int]  # [N], one per logits row
-    logprobs: list[dict[int, float] | None]  # [N]: {token_id: raw logprob}, top-n then the sampled token
 
 
 def make_seed() -> int:
@@ -100,6 +95,17 @@ class Sampler:
         seeds: list[int],
         offsets: list[int],
     ) -> SamplerOutput:
+        """Sample and read the results on the host (one device -> host sync)."""
+        return self.sample(logits, params, seeds, offsets).host()
+
+    def sample(
+        self,
+        logits: Tensor,
+        params: list[SamplingParams],
+        seeds: list[int],
+        offsets: list[int],
+    ) -> DeviceSample:
+        """Sample without waiting for the device: tokens and logprobs stay there until `host()`."""
         _check_inputs(logits, params, seeds, offsets)
         if logits.dtype != torch.float32:
             logits = logits.float()
@@ -109,17 +115,11 @@ class Sampler:
             idx = torch.tensor(sampled_rows, device=logits.device)
             tokens[idx] = self._sample(logits, sampled_rows, params, seeds, offsets)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        lp_parts = _raw_logprobs(logits, lp_rows, params, tokens) if lp_rows else None
-        token_ids = tokens.tolist()  # the one device -> host sync; logprob tensors are ready with it
-        logprobs: list[dict[int, float] | None] = [None] * len(params)
-        if lp_parts is not None:
-            sampled_lp, top_lp, top_ids = (t.tolist() for t in lp_parts)
-            for j, i in enumerate(lp_rows):
-                n = params[i].logprobs
-                d = dict(zip(top_ids[j][:n], top_lp[j][:n], strict=True))
-                d.setdefault(token_ids[i], sampled_lp[j])
-                logprobs[i] = d
-        return SamplerOutput(token_ids, logprobs)
+        lp = None
+        if lp_rows:
+            sampled_lp, top_lp, top_ids = _raw_logprobs(logits, lp_rows, params, tokens)
+            lp = LogprobParts(lp_rows, [params[i].logprobs or 0 for i in lp_rows], sampled_lp, top_lp, top_ids)
+        return DeviceSample(tokens, lp)
 
     def _sample(
         self,

@@ -82,7 +82,9 @@ class Scheduler:
             for req in list(self.decode.running):
                 if budget <= 0:
                     break
-                if req.status is not Status.RUNNING:  # preempted earlier in this loop
+                # preempted earlier in this loop, finished while a step was in flight, or done
+                # once the step in flight is read (async scheduling)
+                if req.status is not Status.RUNNING or req.last_token_in_flight:
                     continue
                 seq = self._schedule_decode(req, out)
                 if seq is not None:

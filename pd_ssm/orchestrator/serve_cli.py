@@ -28,7 +28,9 @@ def engine_argv(args: argparse.Namespace, skip: tuple[str, ...] = ("model",)) ->
             continue
         value = getattr(args, action.dest, None)
         flag = action.option_strings[0]
-        if action.nargs == 0:  # store_true / store_false / store_const: the flag alone, when it is set
+        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x, or neither (None)
+            argv += [] if value is None else [flag if value else action.option_strings[1]]
+        elif action.nargs == 0:  # store_true / store_false / store_const: the flag alone, when it is set
             argv += [flag] if value == action.const else []
         elif value is not None:
             argv += [flag, str(value)]

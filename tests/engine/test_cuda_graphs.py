@@ -161,9 +161,9 @@ def record_batches(graphs: DecodeGraphs) -> list[int]:
     seen: list[int] = []
     inner = graphs.run
 
-    def run(rows: DecodeRows) -> torch.Tensor:
+    def run(rows: DecodeRows, *args: Any) -> torch.Tensor:
         seen.append(len(rows.input_ids))
-        return inner(rows)
+        return inner(rows, *args)
 
     graphs.run = run  # type: ignore[method-assign]
     return seen

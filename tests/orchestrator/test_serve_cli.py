@@ -29,6 +29,7 @@ def test_engine_flags_round_trip_through_worker_argv() -> None:
             argv += ["--max-model-len", str(rng.randint(64, 8192))]
         if rng.random() < 0.5:
             argv += ["--enforce-eager"]
+        argv += rng.choice([[], ["--async-scheduling"], ["--no-async-scheduling"]])
         args = parser.parse_args(argv)
         rendered = engine_argv(args)
         assert "--model" not in rendered  # the launcher passes the resolved directory itself
