@@ -8,11 +8,14 @@ CLOCK_MONOTONIC: one clock for both processes), and the CPU time each process sp
 threads, gloo's included: the host work, robust to a busy machine, which wall times are not).
 
     python benchmarks/nccl_host_cpu.py [--n 8] [--reps 30] [--pages mamba2|hybrid] [--layers 64] [--coalesce-bytes 1]
+                                       [--layers-per-part 12]
 
 env PROFILE_DIR=<dir>: each side's timed rounds run under cProfile, stats in <dir>/{sender,receiver}.prof.
 
 `--layers`: layers per request (tiny tensors each); 64 is Mamba2-2.7B's count, what a run
 header's layer list and the per-layer work scale with.
+`--layers-per-part K`: layer-wise streaming (`send_layers` once per layer, then the final `send`),
+stream_bytes set so a part holds K layers (12: 32 MiB parts of 2.7B fp32 pages).
 
 Prints microseconds per request (JSON).
 """
@@ -47,13 +50,21 @@ def _dump(prof: cProfile.Profile | None, role: str) -> None:
         prof.dump_stats(str(Path(os.environ["PROFILE_DIR"]) / f"{role}.prof"))
 
 
-def _sender(rendezvous: str, kind: str, layers: int, n: int, reps: int, coalesce: int, go: Any, out: Any) -> None:
+def _sender(rendezvous: str, kind: str, layers: int, n: int, reps: int, coalesce: int, per_part: int, go: Any,
+            out: Any) -> None:
     from pd_ssm.bench.transfer import PageShape, make_pages, renamed
     from pd_ssm.state_transfer.base import Ticket
     from pd_ssm.state_transfer.nccl_connector import NcclConfig, NcclConnector
 
+    from pd_ssm.cache.pages import StatePages
+
     pages = make_pages("h", kind, torch.float32, dataclasses.replace(PageShape.tiny(), layers=layers))
-    tx = NcclConnector(NcclConfig(TOKEN, rendezvous, timeout=30, send_timeout=30, coalesce_bytes=coalesce))
+    per_layer = list(pages.layers.values())  # views, as the engine's LayerExporter hands them
+    stream = per_part > 0
+    config = NcclConfig(TOKEN, rendezvous, timeout=30, send_timeout=30, coalesce_bytes=coalesce, stream_layers=stream)
+    if stream:
+        config.stream_bytes = per_part * max(p.nbytes() for p in per_layer)
+    tx = NcclConnector(config)
     assert tx.address is not None
     starts, sends, cpu = [], [], []
     prof = _profiler()
@@ -65,7 +76,13 @@ def _sender(rendezvous: str, kind: str, layers: int, n: int, reps: int, coalesce
         t0 = time.perf_counter()
         for j in range(n):
             rid = f"h{r}-{j}"
-            tx.send(renamed(pages, rid), Ticket(rid, tx.address, 0, [], time.monotonic() + 600, TOKEN))
+            ticket = Ticket(rid, tx.address, 0, [], time.monotonic() + 600, TOKEN)
+            if stream:
+                for layer in per_layer:
+                    tx.send_layers(ticket, [layer])
+                tx.send(StatePages(dataclasses.replace(pages.request, req_id=rid)), ticket)
+            else:
+                tx.send(renamed(pages, rid), ticket)
         sends.append(time.perf_counter() - t0)
         starts.append(t0)
         assert tx.flush(30), tx.get_failed()
@@ -117,13 +134,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--pages", default="mamba2", choices=["mamba2", "hybrid"])
     ap.add_argument("--layers", type=int, default=4, help="layers per request (64: Mamba2-2.7B's)")
-    ap.add_argument("--coalesce-bytes", type=int, default=512 << 20, help="NcclConfig.coalesce_bytes (1: one request a message)")
+    ap.add_argument("--coalesce-bytes", type=int, default=256 << 20, help="NcclConfig.coalesce_bytes (1: one request a message)")
+    ap.add_argument("--layers-per-part", type=int, default=0, help="stream layer by layer, K layers a part (0: whole requests)")
     a = ap.parse_args()
     ctx = mp.get_context("spawn")
     go, out, rq = ctx.Queue(), ctx.Queue(), ctx.Queue()
     rx = ctx.Process(target=_receiver, args=(a.pages, a.n, a.reps, go, out, rq))
     rx.start()
-    tx = ctx.Process(target=_sender, args=(rq.get(timeout=60), a.pages, a.layers, a.n, a.reps, a.coalesce_bytes, go, out))
+    tx = ctx.Process(target=_sender, args=(rq.get(timeout=60), a.pages, a.layers, a.n, a.reps, a.coalesce_bytes,
+                                             a.layers_per_part, go, out))
     tx.start()
     got = dict(out.get(timeout=300) for _ in range(2))
     for p in (tx, rx):
@@ -133,6 +152,7 @@ def main() -> None:
     e2e = [end - start for start, end in zip(starts, ends, strict=True)]
     print(json.dumps({
         "pages": a.pages, "layers": a.layers, "n": a.n, "coalesce_bytes": a.coalesce_bytes,
+        "layers_per_part": a.layers_per_part,
         "send_calls_us_per_request": round(1e6 * statistics.median(sends) / a.n, 1),
         "end_to_end_us_per_request": round(1e6 * statistics.median(e2e) / a.n, 1),
         "sender_cpu_us_per_request": round(1e6 * statistics.median(tx_cpu) / a.n, 1),
