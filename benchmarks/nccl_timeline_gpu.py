@@ -9,10 +9,15 @@ run's barrier on that rank.
 
     python benchmarks/nccl_timeline_gpu.py      # summary on stdout; $OUT/timeline_rank{0,1}.json
     (env DTYPE=float32 for fp32 pages, CAP=<bytes> for another coalescing cap)
+
+Runs: raw8 (8 raw one-message sends), x1 / x8 (1 / 8 whole requests back to back) and s8 (8
+requests streamed layer by layer: `send_layers` per layer, then the final `send`, as a streaming
+prefill worker hands them over), each summarized as its rows and as totals per step and kernel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -58,7 +63,7 @@ def _wrap_steps(rank: int) -> None:
         wrap(nccl_receiver.NcclReceiver, "_wait", "step:wait")
         wrap(nccl_receiver.NcclReceiver, "_finish", "step:finish")
         wrap(nccl_inbound.Inbound, "block_sums", "step:block_sums")
-        wrap(nccl_receiver, "unpack", "step:unpack")
+        wrap(nccl_receiver, "unpack_runs", "step:unpack")
 
 
 def run(rank: int, port: int, q: Any, rq: Any, out: Path) -> None:
@@ -81,7 +86,8 @@ def run(rank: int, port: int, q: Any, rq: Any, out: Path) -> None:
         while not conn.paired:
             conn.recv(timeout=0.05)
     else:
-        conn = NcclConnector(NcclConfig(TOKEN, q.get(), device=str(dev), timeout=60, send_timeout=60))
+        conn = NcclConnector(NcclConfig(TOKEN, q.get(), device=str(dev), timeout=60, send_timeout=60,
+                                        stream_layers=True))
         if "CAP" in os.environ:
             assert conn._tx is not None
             conn._tx._held.cap = int(os.environ["CAP"])
@@ -91,6 +97,7 @@ def run(rank: int, port: int, q: Any, rq: Any, out: Path) -> None:
     assert host.runs is not None
     pages = StatePages(host.request, runs=[PageRun(r.kind, r.name, r.layers, r.stacked.to(dev)) for r in host.runs])
     flat = torch.cat([r.stacked.reshape(-1).view(torch.uint8) for r in pages.runs or []])
+    layers = list(pages.layers.values())  # per-layer views, as the engine's LayerExporter hands them
     n = [0]
 
     def batch(count: int) -> None:
@@ -105,6 +112,20 @@ def run(rank: int, port: int, q: Any, rq: Any, out: Path) -> None:
             for _ in ids:
                 assert conn.recv(timeout=60) is not None
 
+    def streamed(count: int) -> None:
+        if rank == 1:
+            batch(count)
+            return
+        ids = [f"r{n[0] + j}" for j in range(count)]
+        n[0] += count
+        assert conn.address is not None
+        for rid in ids:
+            ticket = Ticket(rid, conn.address, 0, [], time.monotonic() + 600, TOKEN)
+            for layer in layers:
+                conn.send_layers(ticket, [layer])
+            conn.send(StatePages(dataclasses.replace(pages.request, req_id=rid)), ticket)
+        assert conn.flush(60)
+
     def raw(count: int) -> None:
         for _ in range(count):
             if rank == 0:
@@ -113,12 +134,12 @@ def run(rank: int, port: int, q: Any, rq: Any, out: Path) -> None:
                 dist.recv(flat, 0)
 
     if rank == 1:
-        for i in range(RUNS * 9):
+        for i in range(RUNS * 17):
             table.reserve(f"r{i}", conn.address or "", slot=0)
     _wrap_steps(rank)
     wall: dict[str, float] = {}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for label, fn, count in (("raw8", raw, 8), ("x1", batch, 1), ("x8", batch, 8)):
+        for label, fn, count in (("raw8", raw, 8), ("x1", batch, 1), ("x8", batch, 8), ("s8", streamed, 8)):
             for i in range(RUNS):
                 dist.barrier()
                 torch.cuda.synchronize(dev)
@@ -157,6 +178,15 @@ def summarize(path: str, rank: int, label: str) -> list[str]:
             rows.append((e["ts"], f"  host {(e['ts'] - t0) / 1e3:7.3f} +{e['dur'] / 1e3:6.3f}  {name}"))
     lines = [f"rank {rank} run:{label} (last of {RUNS}): {(t1 - t0) / 1e3:.3f} ms"]
     lines += [line for _, line in sorted(rows)][:120]
+    totals: dict[str, list[float]] = {}
+    for e in spans:
+        name, cat = str(e.get("name", "")), e.get("cat", "")
+        if t0 <= e["ts"] <= t1 and (cat in ("kernel", "gpu_memcpy", "gpu_memset")
+                                    or cat == "user_annotation" and name.startswith("step:")):
+            key = ("gpu  " if cat != "user_annotation" else "host ") + name[:60]
+            totals.setdefault(key, []).append(e["dur"] / 1e3)
+    lines.append(f"rank {rank} run:{label} totals (ms, count):")
+    lines += [f"  {k:66} {sum(v):8.3f} {len(v):5d}" for k, v in sorted(totals.items(), key=lambda kv: -sum(kv[1]))]
     return lines
 
 
@@ -179,7 +209,7 @@ def main() -> None:
     for rank in (0, 1):
         wall = got[rank][1]
         print(f"rank {rank} wall ms:", " ".join(f"{k}={v:.3f}" for k, v in wall.items()))
-    for label in ("raw8", "x1", "x8"):
+    for label in ("raw8", "x1", "x8", "s8"):
         for rank in (0, 1):
             print("\n".join(summarize(got[rank][0], rank, label)))
 
