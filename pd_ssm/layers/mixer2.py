@@ -43,11 +43,13 @@ from pd_ssm.layers.norm import GatedRMSNorm, ScaledDelta
 
 # the decode step's dt limit: none, as in the references (module docstring)
 DECODE_DT_LIMIT = (0.0, float("inf"))
-# NOTE: the deferred norm scale runs in steps with fewer decode rows than this. Measured whole-model
-# on an H200 (2.7B shape, CUDA graphs, RESULTS.md session 4): batch 1 2.32-2.34 ms against 2.48-2.54
-# on the three-kernel path, but batch 32 +1-3% and batch 128 +2-3% (the state update dominates
-# there, and the gated kernel runs it slightly slower than the plain one)
-DEFER_BELOW_DECODE_ROWS = 32
+# NOTE: the deferred norm scale runs in steps with fewer decode rows than this: every batch the
+# decode graphs capture (up to 256 rows). Measured whole-model on an H200 (2.7B shape, CUDA graphs):
+# batch 1 2.32-2.34 ms against 2.48-2.54 on the three-kernel path (session 4). At 32 and 128 rows
+# it lost 1-3% then, when each step's host work still added to the GPU's; with async scheduling
+# (session 8, one A/B call) it wins there too: 5.445-5.450 against 5.495-5.502 ms at 32 rows,
+# 13.99-14.00 against 14.31-14.34 ms at 128
+DEFER_BELOW_DECODE_ROWS = 257
 
 
 def conv1d_weight_from_hf(t: torch.Tensor) -> torch.Tensor:

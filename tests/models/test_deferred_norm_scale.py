@@ -18,7 +18,7 @@ from harness import StepRunner, load_pd, make_hf_model, save_checkpoint
 from pd_ssm.layers import mixer2
 from pd_ssm.layers.norm import ScaledDelta
 
-SEQS = 36  # more decode rows than DEFER_BELOW_DECODE_ROWS
+SEQS = 36  # more decode rows than the threshold test_the_mixer_defers_only_where_it_may sets
 
 
 def _run(model: torch.nn.Module, threshold: int, monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], StepRunner]:
@@ -63,7 +63,7 @@ def test_the_mixer_defers_only_where_it_may(tmp_path: Path, monkeypatch: pytest.
         return out
 
     monkeypatch.setattr(mixer2.Mamba2Mixer, "forward", spy)
-    _run(model, mixer2.DEFER_BELOW_DECODE_ROWS, monkeypatch)
+    _run(model, 32, monkeypatch)  # the mechanism, at a threshold between the steps' decode rows
     layers = len(model.backbone.layers)
     # prefill only and the mixed step (5 decodes) defer; the 36-row decode step does not
     assert kinds == [True] * layers + [False] * layers + [True] * layers
