@@ -53,10 +53,9 @@ def _dump(prof: cProfile.Profile | None, role: str) -> None:
 def _sender(rendezvous: str, kind: str, layers: int, n: int, reps: int, coalesce: int, per_part: int, go: Any,
             out: Any) -> None:
     from pd_ssm.bench.transfer import PageShape, make_pages, renamed
+    from pd_ssm.cache.pages import StatePages
     from pd_ssm.state_transfer.base import Ticket
     from pd_ssm.state_transfer.nccl_connector import NcclConfig, NcclConnector
-
-    from pd_ssm.cache.pages import StatePages
 
     pages = make_pages("h", kind, torch.float32, dataclasses.replace(PageShape.tiny(), layers=layers))
     per_layer = list(pages.layers.values())  # views, as the engine's LayerExporter hands them

@@ -28,7 +28,7 @@ from pd_ssm.kernels.attention import (
 )
 from pd_ssm.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from pd_ssm.kernels.linear import linear_ref
-from pd_ssm.kernels.mixer_decode import mamba2_decode_step_ref
+from pd_ssm.kernels.mixer_decode import in_proj_conv_ref, mamba2_decode_step_ref
 from pd_ssm.kernels.rmsnorm import (
     AddNormOutput,
     GatedSquares,
@@ -60,6 +60,7 @@ class Kernels:
     rms_norm_gated: Callable[..., Tensor]
     rms_norm_gated_squares: Callable[..., GatedSquares]
     mamba2_decode_step: Callable[..., GatedSquares]
+    in_proj_conv: Callable[..., tuple[Tensor, Tensor]]
     add_rms_norm: Callable[..., AddNormOutput]
     write_kv_cache: Callable[..., None]
     varlen_prefill_attention: Callable[..., Tensor]
@@ -78,6 +79,7 @@ _TORCH_KERNELS: Mapping[str, Callable[..., Any]] = MappingProxyType({
     "rms_norm_gated": rms_norm_gated_ref,
     "rms_norm_gated_squares": rms_norm_gated_squares_ref,
     "mamba2_decode_step": mamba2_decode_step_ref,
+    "in_proj_conv": in_proj_conv_ref,
     "add_rms_norm": add_rms_norm_ref,
     "write_kv_cache": write_kv_cache_ref,
     "varlen_prefill_attention": varlen_prefill_attention_ref,
@@ -93,6 +95,7 @@ def _triton_kernels() -> dict[str, Callable[..., Any]]:
         write_kv_cache_triton,
     )
     from pd_ssm.kernels.conv1d_triton import causal_conv1d_update_triton, causal_conv1d_varlen_triton
+    from pd_ssm.kernels.in_proj_conv_triton import in_proj_conv_triton
     from pd_ssm.kernels.mixer_decode_triton import mamba2_decode_step_triton
     from pd_ssm.kernels.rmsnorm_triton import (
         add_rms_norm_triton,
@@ -113,6 +116,7 @@ def _triton_kernels() -> dict[str, Callable[..., Any]]:
         "rms_norm_gated": rms_norm_gated_triton,
         "rms_norm_gated_squares": rms_norm_gated_squares_triton,
         "mamba2_decode_step": mamba2_decode_step_triton,
+        "in_proj_conv": in_proj_conv_triton,
         "add_rms_norm": add_rms_norm_triton,
         "write_kv_cache": write_kv_cache_triton,
         "varlen_prefill_attention": varlen_prefill_attention_triton,
@@ -175,6 +179,7 @@ rms_norm = _routed("rms_norm", rms_norm_ref)
 rms_norm_gated = _routed("rms_norm_gated", rms_norm_gated_ref)
 rms_norm_gated_squares = _routed("rms_norm_gated_squares", rms_norm_gated_squares_ref)
 mamba2_decode_step = _routed("mamba2_decode_step", mamba2_decode_step_ref)
+in_proj_conv = _routed("in_proj_conv", in_proj_conv_ref)
 add_rms_norm = _routed("add_rms_norm", add_rms_norm_ref)
 write_kv_cache = _routed("write_kv_cache", write_kv_cache_ref)
 varlen_prefill_attention = _routed("varlen_prefill_attention", varlen_prefill_attention_ref)

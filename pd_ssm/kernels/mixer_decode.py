@@ -35,6 +35,7 @@ from pd_ssm.kernels._checks import (
     check_shape,
 )
 from pd_ssm.kernels.conv1d import causal_conv1d_update_ref
+from pd_ssm.kernels.linear import linear_ref
 from pd_ssm.kernels.rmsnorm import GatedSquares, rms_norm_gated_squares_ref
 from pd_ssm.kernels.ssu import selective_state_update_ref
 
@@ -83,8 +84,11 @@ def mamba2_decode_step_ref(
     *,
     state_indices: Tensor,
     ngroups: int,
+    xbc: Tensor | None = None,
 ) -> GatedSquares:
     """One decode token per sequence, from in_proj's output to out_proj's input (module docstring).
+    `xbc` [B, conv_dim]: the conv's output where the caller ran the conv already (`in_proj_conv`,
+    conv state updated): the conv is skipped.
 
     Shapes (H = nheads, P = headdim, N = dstate, G = ngroups, d_inner = H * P):
       proj           [B, d_inner + conv_dim + H]   z | x B C | dt, stride 1 on the last axis
@@ -104,9 +108,12 @@ def mamba2_decode_step_ref(
     # NOTE: padding rows run on a live slot's copy, never written back (the references have no
     # padding rule of their own)
     rows = live.nonzero().squeeze(1)  # [B'] (host sync: the reference is not graph-captured)
-    z, xbc, dt = proj[rows].split([d_inner, conv_dim, H], dim=-1)
+    z, raw, dt = proj[rows].split([d_inner, conv_dim, H], dim=-1)
     slots = state_indices[rows]
-    xbc = causal_conv1d_update_ref(xbc, conv_state, conv_weight, conv_bias, state_indices=slots)
+    if xbc is None:
+        xbc = causal_conv1d_update_ref(raw, conv_state, conv_weight, conv_bias, state_indices=slots)
+    else:
+        xbc = xbc[rows]
     x, B, C = xbc.split([d_inner, ngroups * N, ngroups * N], dim=-1)
     n = rows.shape[0]
     y = selective_state_update_ref(
@@ -118,3 +125,31 @@ def mamba2_decode_step_ref(
     sq = torch.zeros((Bt, 1), dtype=torch.float32, device=proj.device)  # [B, 1]
     g[rows], sq[rows] = gated.g, gated.sq
     return GatedSquares(g, sq)
+
+
+def in_proj_conv_ref(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    conv_state: Tensor,
+    conv_weight: Tensor,
+    conv_bias: Tensor | None,
+    *,
+    state_indices: Tensor,
+    conv_start: int,
+) -> tuple[Tensor, Tensor]:
+    """in_proj, then the conv update of its xBC columns, for the decode rows of a step.
+
+      hidden         [B, K]                            the block's normalized input
+      weight         [N, K], bias [N] or None          in_proj (N = d_inner + conv_dim + H)
+      conv_state     [num_slots, conv_dim, width-1]    pool; conv_weight [conv_dim, width]
+      state_indices  [B] int32                         pool slots (negative: CUDA-graph padding)
+      conv_start                                       first xBC column of in_proj's output
+
+    Returns (proj [B, N], xbc [B, conv_dim]: the conv's output with SiLU); conv state in place.
+    """
+    proj = linear_ref(hidden, weight, bias)
+    conv_dim = conv_weight.shape[0]
+    xbc = causal_conv1d_update_ref(proj[:, conv_start:conv_start + conv_dim], conv_state, conv_weight, conv_bias,
+                                   state_indices=state_indices)
+    return proj, xbc

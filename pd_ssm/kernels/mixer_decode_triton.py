@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pd_ssm.kernels._checks import check_last_dim_contiguous, check_shape
 from pd_ssm.kernels.conv1d import _check_conv_args
 from pd_ssm.kernels.conv1d_triton_update import default_update_tile, launch_conv_update
 from pd_ssm.kernels.mixer_decode import check_mixer_decode_args
@@ -40,8 +41,10 @@ def _gated_ssu_kernel(
     stride_proj_b, stride_xbc_b, stride_state_slot, stride_state_head, stride_g_b, stride_sq_b,
     # meta-parameters
     HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, ZDT_LATE: tl.constexpr,
 ):
+    """ZDT_LATE: z and dt are read after the PDL gate (the launch before this one wrote them: in_proj
+    with the conv fused in, in_proj_conv_triton.py)."""
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -66,15 +69,21 @@ def _gated_ssu_kernel(
     proj_row = proj_ptr + b * stride_proj_b
     xbc_row = xbc_ptr + b * stride_xbc_b
     c_B = (h // heads_per_group) * dstate + offs_n  # [BLOCK_N] channel of B in x | B | C, less d_inner
-    dt = tl.load(proj_row + d_inner + conv_dim + h).to(tl.float32)
-    zv = tl.load(proj_row + c_x, mask=p_ok, other=0.0).to(tl.float32)
+    if not ZDT_LATE:
+        dt = tl.load(proj_row + d_inner + conv_dim + h).to(tl.float32)
+        zv = tl.load(proj_row + c_x, mask=p_ok, other=0.0).to(tl.float32)
     w = tl.load(norm_w_ptr + c_x, mask=p_ok, other=0.0).to(tl.float32)
     A = tl.load(A_ptr + h)
     if HAS_DT_BIAS:
-        dt += tl.load(dt_bias_ptr + h).to(tl.float32)
+        dt_b = tl.load(dt_bias_ptr + h).to(tl.float32)
     if HAS_D:
         Dh = tl.load(D_ptr + h).to(tl.float32)
     pdl_gate(PDL)
+    if ZDT_LATE:
+        dt = tl.load(proj_row + d_inner + conv_dim + h).to(tl.float32)
+        zv = tl.load(proj_row + c_x, mask=p_ok, other=0.0).to(tl.float32)
+    if HAS_DT_BIAS:
+        dt += dt_b
     if not live:
         tl.store(g_ptrs, tl.zeros([BLOCK_P], dtype=g_ptr.dtype.element_ty), mask=p_ok)
         tl.store(sq_out, 0.0)
@@ -112,20 +121,25 @@ def mamba2_decode_step_triton(
     *,
     state_indices: Tensor,
     ngroups: int,
+    xbc: Tensor | None = None,
 ) -> GatedSquares:
-    """Triton `mamba2_decode_step_ref` (shapes there): the conv update, then one launch for the state
-    update, the gate and the squares. Returns GatedSquares(g [B, d_inner] in proj.dtype,
-    sq [B, H * ceil(P / BLOCK_P)] fp32). No host synchronization (CUDA-graph safe).
+    """Triton `mamba2_decode_step_ref` (shapes there): the conv update (unless `xbc`, the conv's
+    output, is given), then one launch for the state update, the gate and the squares. Returns
+    GatedSquares(g [B, d_inner] in proj.dtype, sq [B, H * ceil(P / BLOCK_P)] fp32). No host
+    synchronization (CUDA-graph safe).
     """
     d_inner, conv_dim, H = check_mixer_decode_args(proj, conv_state, conv_weight, ssm_state, norm_weight, ngroups)
     Bt, P, N = proj.shape[0], ssm_state.shape[2], ssm_state.shape[3]
-    xbc = proj[:, d_inner:d_inner + conv_dim]  # views, for the shared checks
-    _check_conv_args("mamba2_decode_step", xbc, conv_weight, conv_bias, conv_state, state_indices, Bt, "silu")
-    x3 = xbc[:, :d_inner].unflatten(1, (H, P))
-    bc = xbc[:, d_inner:].unflatten(1, (2 * ngroups, N))
+    raw = proj[:, d_inner:d_inner + conv_dim]  # views, for the shared checks
+    _check_conv_args("mamba2_decode_step", raw, conv_weight, conv_bias, conv_state, state_indices, Bt, "silu")
+    x3 = raw[:, :d_inner].unflatten(1, (H, P))
+    bc = raw[:, d_inner:].unflatten(1, (2 * ngroups, N))
     check_ssu_args(ssm_state, x3, proj[:, -H:], A, bc[:, :ngroups], bc[:, ngroups:], state_indices, D, dt_bias)
+    if xbc is not None:
+        check_shape("mamba2_decode_step", "xbc", xbc, "[B, conv_dim]", (Bt, conv_dim))
+        check_last_dim_contiguous("mamba2_decode_step", "xbc", xbc)
     return launch_decode_step(proj, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, norm_weight,
-                              state_indices, ngroups, default_config(Bt, P, N, ssm_state.dtype))
+                              state_indices, ngroups, default_config(Bt, P, N, ssm_state.dtype), xbc)
 
 
 def default_config(batch: int, headdim: int, dstate: int, state_dtype: torch.dtype) -> SSUConfig:
@@ -140,7 +154,7 @@ def default_config(batch: int, headdim: int, dstate: int, state_dtype: torch.dty
 def launch_decode_step(
     proj: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_bias: Tensor | None, ssm_state: Tensor, A: Tensor,
     D: Tensor | None, dt_bias: Tensor | None, norm_weight: Tensor, state_indices: Tensor, ngroups: int,
-    cfg: SSUConfig,
+    cfg: SSUConfig, xbc: Tensor | None = None,
 ) -> GatedSquares:
     """The launches behind `mamba2_decode_step_triton` with the state update's tile chosen by the
     caller (the benchmark sweeps it); arguments already checked."""
@@ -151,10 +165,12 @@ def launch_decode_step(
     sq = torch.empty((Bt, H * p_tiles), dtype=torch.float32, device=proj.device)  # [B, K]
     if Bt == 0:
         return GatedSquares(g, sq)
-    xbc = launch_conv_update(proj[:, d_inner:d_inner + conv_dim], conv_state, conv_weight, conv_bias,
-                             state_indices, "silu", default_update_tile(Bt))  # [B, conv_dim]: x | B | C
-    # NOTE: under PDL the kernel reads z and dt (proj) before its gate: safe because the conv launch
-    # sits between it and in_proj, which wrote proj (pdl.py, contracts 1 and 3)
+    # NOTE: under PDL the kernel reads z and dt (proj) before its gate only where the conv launch sits
+    # between it and in_proj, which wrote proj (pdl.py, contracts 1 and 3); after it otherwise
+    zdt_late = xbc is not None
+    if xbc is None:
+        xbc = launch_conv_update(proj[:, d_inner:d_inner + conv_dim], conv_state, conv_weight, conv_bias,
+                                 state_indices, "silu", default_update_tile(Bt))  # [B, conv_dim]: x | B | C
     pdl = use_pdl(proj)
     with _on_device(proj):
         _gated_ssu_kernel[(p_tiles, H, Bt)](
@@ -164,6 +180,7 @@ def launch_decode_step(
             P, N, H // ngroups, d_inner, conv_dim, ngroups * N,
             proj.stride(0), xbc.stride(0), ssm_state.stride(0), ssm_state.stride(1), g.stride(0), sq.stride(0),
             HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, BLOCK_P=cfg.block_p,
-            BLOCK_N=triton.next_power_of_2(N), PDL=pdl, num_warps=cfg.num_warps, **launch_options(pdl),
+            BLOCK_N=triton.next_power_of_2(N), PDL=pdl, ZDT_LATE=zdt_late, num_warps=cfg.num_warps,
+            **launch_options(pdl),
         )
     return GatedSquares(g, sq)

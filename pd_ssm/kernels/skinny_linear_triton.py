@@ -66,26 +66,14 @@ def skinny_linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> 
 
 
 @triton.jit
-def _skinny_fma_kernel(
-    # pointers
-    x_ptr, w_ptr, b_ptr, y_ptr,
-    # dimensions (K is specialized on: a layer's K never changes, and the loop bound is static)
-    M, N, K: tl.constexpr,
-    # strides (the last axes have stride 1)
-    stride_xm, stride_wn, stride_ym,
-    # meta-parameters
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PDL: tl.constexpr, PRE_K: tl.constexpr,
+def fma_gemv_row(
+    x_row, w_rows, n_ok, K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PRE_K: tl.constexpr,
 ):
-    """PRE_K > 0 (a multiple of BLOCK_K): the weights of the first PRE_K columns are loaded into
-    registers before the PDL gate, i.e. while the launch before this one (which writes x) still
-    runs (pdl.py)."""
-    pid_n = tl.program_id(0)
-    m = tl.program_id(1)  # one row per program along axis 1: W is re-read from L2 per row
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    n_ok = offs_n < N
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    """y [BLOCK_N] fp32 = W[rows] . x over K (x_row: the row's pointer, w_rows [BLOCK_N, 1] pointers).
+    The PDL gate is in here: PRE_K > 0 (a multiple of BLOCK_K) loads the weights of the first PRE_K
+    columns into registers before it, i.e. while the launch before this one (which writes x) still
+    runs (pdl.py); a caller's loads before this call go before the gate too."""
     y = tl.zeros([BLOCK_N], dtype=tl.float32)
     if PRE_K > 0:
         offs_pk = tl.arange(0, PRE_K)  # [PRE_K]
@@ -103,7 +91,28 @@ def _skinny_fma_kernel(
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         xv = tl.load(x_row + offs_k, mask=k_ok, other=0.0)  # [BLOCK_K]
         acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
-    y += tl.sum(acc, axis=1)  # [BLOCK_N]
+    return y + tl.sum(acc, axis=1)  # [BLOCK_N]
+
+
+@triton.jit
+def _skinny_fma_kernel(
+    # pointers
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    # dimensions (K is specialized on: a layer's K never changes, and the loop bound is static)
+    M, N, K: tl.constexpr,
+    # strides (the last axes have stride 1)
+    stride_xm, stride_wn, stride_ym,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr, PRE_K: tl.constexpr,
+):
+    """PRE_K: see fma_gemv_row."""
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1)  # one row per program along axis 1: W is re-read from L2 per row
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    n_ok = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    y = fma_gemv_row(x_ptr + m.to(tl.int64) * stride_xm, w_rows, n_ok, K, BLOCK_N, BLOCK_K, NUM_STAGES, PDL, PRE_K)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)

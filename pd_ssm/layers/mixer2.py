@@ -129,12 +129,16 @@ class Mamba2Mixer(nn.Module):
     def forward(self, hidden: torch.Tensor, meta: ForwardMeta, cache: CachePool) -> torch.Tensor | ScaledDelta:
         """[T, hidden] -> [T, hidden]; with `defer_norm_scale`, the output still to be scaled per row."""
         k = self.kernels
-        # NOTE: through the kernels: a decode step of a few rows streams the weights faster than cuBLAS
-        proj = k.linear(hidden, self.in_proj.weight, self.in_proj.bias)  # [T, d_inner + conv_dim + nheads]
         if self.defer_norm_scale and meta.num_decodes < DEFER_BELOW_DECODE_ROWS:
-            gated = self._gated_squares(proj, meta, cache)
+            if meta.num_prefills == 0 and hidden.shape[0] == 1:  # one decode row: the conv rides in_proj
+                gated = self._one_row_gated_squares(hidden, meta, cache)
+            else:
+                # NOTE: through the kernels: a decode step of a few rows streams the weights faster than cuBLAS
+                proj = k.linear(hidden, self.in_proj.weight, self.in_proj.bias)  # [T, d_inner + conv_dim + nheads]
+                gated = self._gated_squares(proj, meta, cache)
             out = k.linear(gated.g, self.out_proj.weight, None)  # [T, hidden]; no bias (see __init__)
             return ScaledDelta(out, RowRms(gated.sq, self.d_inner, self.norm.eps))
+        proj = k.linear(hidden, self.in_proj.weight, self.in_proj.bias)  # [T, d_inner + conv_dim + nheads]
         z = proj[:, :self.d_inner]
         nd = meta.num_decodes
         ys: list[torch.Tensor] = []
@@ -145,6 +149,20 @@ class Mamba2Mixer(nn.Module):
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=0)  # [T, nheads, headdim]
         y = self.norm(y.reshape(proj.shape[0], self.d_inner), z)
         return k.linear(y, self.out_proj.weight, self.out_proj.bias)
+
+    def _one_row_gated_squares(self, hidden: torch.Tensor, meta: ForwardMeta, cache: CachePool) -> GatedSquares:
+        """A step of one decode row: in_proj and the conv in one launch where the kernels have it
+        (kernels/in_proj_conv_triton.py), then the state update and the gate."""
+        k = self.kernels
+        slots = meta.decode_view().state_indices
+        proj, xbc = k.in_proj_conv(
+            hidden, self.in_proj.weight, self.in_proj.bias, cache.conv(self.layer_idx), self.conv1d.weight,
+            self.conv1d.bias, state_indices=slots, conv_start=self.d_inner,
+        )
+        return k.mamba2_decode_step(
+            proj, cache.conv(self.layer_idx), self.conv1d.weight, self.conv1d.bias, cache.ssm(self.layer_idx), self.A(),
+            self.D, self.dt_bias, self.norm.weight, state_indices=slots, ngroups=self.n_groups, xbc=xbc,
+        )
 
     def _gated_squares(self, proj: torch.Tensor, meta: ForwardMeta, cache: CachePool) -> GatedSquares:
         """The gated norm's input and squares of every row, decode rows by the fused kernel."""
