@@ -6,7 +6,8 @@ z and the norm weight beside x, B, C and dt, and writes g = weight * (y * silu(z
 sum of squares instead of y, so y never goes through memory and the gated norm's launch is gone
 (its scale is deferred: kernels/mixer_decode.py). g equals the three-kernel path's to the bit.
 
-Why the conv stays a launch of its own: a single kernel (each program convolving its x channels
+At one row the conv runs inside in_proj's GEMV instead (in_proj_conv_triton.py; `xbc` given here).
+Why the conv is not folded into this kernel: a single kernel (each program convolving its x channels
 and recomputing its group's B and C, the B/C history shifted by the last program of a sequence to
 arrive at an atomic counter) measured the same at batch 1 (6.3 against 6.2 us a layer, H200) and
 13-15% slower than the conv launch + this kernel at batch 32 and 128 (benchmarks/decode_step_gpu.py,
