@@ -195,8 +195,7 @@ class Engine:
     ) -> Request:
         params = params or SamplingParams()
         req_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if req_id in self.requests or req_id in self.reserved:
-            raise RequestError(f"request id {req_id!r} is already in use")
+        self._check_free_id(req_id)
         if isinstance(prompt, str):
             text: str | None = prompt
             ids = self.tokenizer.encode(prompt)
@@ -210,6 +209,12 @@ class Engine:
         self.requests[req_id] = req
         self.scheduler.add(req)
         return req
+
+    def _check_free_id(self, req_id: str) -> None:
+        # NOTE: a request finished or aborted while a step in flight still writes its slot holds
+        # that slot under its id until the step is read (async scheduling): the id is not free yet
+        if req_id in self.requests or req_id in self.reserved or self.cache.holds(req_id):
+            raise RequestError(f"request id {req_id!r} is already in use")
 
     def _validate_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -381,8 +386,7 @@ class Engine:
         Raises CacheFullError (nothing held) when the pools cannot take it: the caller refuses,
         never over-commits. The request does not run until `import_reserved`.
         """
-        if req_id in self.requests or req_id in self.reserved:
-            raise RequestError(f"request id {req_id!r} is already in use")
+        self._check_free_id(req_id)
         if not 0 < num_tokens <= self.max_model_len:
             raise RequestError(
                 f"cannot reserve {num_tokens} tokens for {req_id!r}: give 1..{self.max_model_len} "

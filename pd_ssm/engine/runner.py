@@ -11,7 +11,7 @@ and every step on the CPU or with enforce_eager, run eagerly.  All paths return 
 for the same batch.
 
 `launch` queues a step and its sampling without reading anything back (the sampled tokens stay on
-the device, device_sample.py); `step` is launch + read.  A decode row whose input token is still on
+the device until the engine reads them, device_sample.py).  A decode row whose input token is still on
 the device (async scheduling, inflight.py) gets it through a TokenFeed, copied on the device into
 the step's input ids after the host values are in place.
 """
@@ -25,7 +25,7 @@ import torch
 from pd_ssm.cache.manager import CacheManager
 from pd_ssm.cache.pool import CachePool
 from pd_ssm.engine.cuda_graphs import DecodeGraphs, DecodeRows
-from pd_ssm.engine.device_sample import DeviceSample, SamplerOutput
+from pd_ssm.engine.device_sample import DeviceSample
 from pd_ssm.engine.forward_meta import ForwardMeta
 from pd_ssm.engine.inflight import InflightStep, TokenFeed, token_feed
 from pd_ssm.engine.layer_export import LayerExporter
@@ -184,10 +184,3 @@ class ModelRunner:
             [r.sample_offset for r in reqs],
         )
         return Launched(reqs, sample)
-
-    def step(self, sched: SchedulerOutput) -> tuple[list[Request], SamplerOutput]:
-        """Run the step and read its tokens: (requests that sampled, their tokens and logprobs)."""
-        launched = self.launch(sched)
-        if launched.sample is None:
-            return [], SamplerOutput([], [])
-        return launched.reqs, launched.sample.host()

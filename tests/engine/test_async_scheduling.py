@@ -16,7 +16,7 @@ import torch
 
 from pd_ssm import LLM, SamplingParams
 from pd_ssm.engine.cuda_graphs import capture_sizes
-from pd_ssm.engine.engine import Engine
+from pd_ssm.engine.engine import Engine, RequestError
 from pd_ssm.engine.inflight import InflightStep
 from pd_ssm.outputs import RequestOutput
 from tests.conftest import needs_cuda, random_prompts
@@ -137,6 +137,11 @@ def test_arrivals_and_abort_while_a_step_is_in_flight(hf_checkpoint: Any) -> Non
         aborted = engine.abort("r1")
         assert aborted is not None and aborted.finished and aborted.outputs[0].finish_reason == "abort"
         assert engine.cache.holds("r1") == async_on
+        if async_on:  # its id is not free while its slot is held
+            with pytest.raises(RequestError, match="already in use"):
+                engine.add_request(prompts[1], params, request_id="r1")
+            with pytest.raises(RequestError, match="already in use"):
+                engine.reserve("r1", 8)
         for i in (3, 4):  # arrivals: the step in flight is read before their prefill is scheduled
             engine.add_request(prompts[i], params, request_id=f"r{i}")
         run_until_done(engine, outs)
