@@ -154,7 +154,8 @@ def format_table(result: dict[str, Any]) -> str:
     head = (
         f"pd-ssm bench engine: {result['device']}, {result['model']} ({result['params'] / 1e9:.2f} G params, "
         f"{result['load_format']}), {result['dtype']}, SSM state {result['mamba_ssm_cache_dtype']}, "
-        f"kernels {result['kernel_backend']}, CUDA graphs {'on' if result['cuda_graphs'] else 'off'}\n"
+        f"kernels {result['kernel_backend']}, CUDA graphs {'on' if result['cuda_graphs'] else 'off'}, "
+        f"async scheduling {'on' if result.get('async_scheduling') else 'off'}\n"
         f"ceilings: copy {result['copy_gbps']:.0f} GB/s, bf16 matmul {result['matmul_tflops']:.0f} TFLOP/s"
     )
     lines = [head, f"{'step':<28}{'ms':>10}{'floor ms':>10}{'floor':>8}{'x floor':>9}  {'target':<16}{'met':<4}"]
@@ -296,6 +297,7 @@ def run_engine_bench(opts: EngineBenchOptions, on_row: Callable[[BenchRow], None
         "mamba_ssm_cache_dtype": str(cc.mamba_ssm_cache_dtype).removeprefix("torch."),
         "kernel_backend": engine.kernels.backend,
         "cuda_graphs": graphs is not None,
+        "async_scheduling": engine.async_scheduling,
         "graph_sizes": graphs.sizes if graphs is not None else [],
         "graph_capture_s": graphs.capture_seconds if graphs is not None else 0.0,
         "engine_build_s": build_s,

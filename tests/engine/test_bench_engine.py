@@ -65,10 +65,11 @@ def test_format_table() -> None:
     rows = [BenchRow("prefill 2048 tok, batch 1", 25.0, 15.0, "matmul", "<= 30 ms", True, 10),
             BenchRow("decode batch 32", 5.0, 3.8, "memory", "<= 1.25 x floor", False, 10, "eager")]
     result = dict(device="GPU", model="m", params=2.7e9, load_format="dummy", dtype="bfloat16",
-                  mamba_ssm_cache_dtype="float32", kernel_backend="torch", cuda_graphs=True, copy_gbps=4280.0,
+                  mamba_ssm_cache_dtype="float32", kernel_backend="torch", cuda_graphs=True, async_scheduling=True,
+                  copy_gbps=4280.0,
                   matmul_tflops=700.0, rows=[{f: getattr(r, f) for f in r.__slots__} for r in rows])
     text = format_table(json.loads(json.dumps(result)))
-    assert "copy 4280 GB/s" in text and "2.70 G params" in text
+    assert "copy 4280 GB/s" in text and "2.70 G params" in text and "async scheduling on" in text
     assert "1.32" in text and "yes" in text and "no" in text and "eager" in text
 
 
