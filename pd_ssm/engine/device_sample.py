@@ -61,10 +61,6 @@ class DeviceSample:
         self._event.record()
         return self
 
-    def ready(self) -> bool:
-        """True once `host()` would not wait."""
-        return self._host is not None and (self._event is None or self._event.query())
-
     def host(self) -> SamplerOutput:
         """The tokens and logprob dicts as Python values; waits for the copies (starts them if needed)."""
         self.start_copy()

@@ -24,7 +24,7 @@ from pd_ssm.kernels.conv1d import _check_conv_args
 from pd_ssm.kernels.conv1d_triton_update import causal_conv1d_update_triton
 from pd_ssm.kernels.conv1d_triton_varlen import _on_device, _silu_in
 from pd_ssm.kernels.pdl import launch_options, use_pdl
-from pd_ssm.kernels.skinny_linear_triton import FMA_TILE, FMA_TILE_NARROW, fma_gemv_row, linear_triton
+from pd_ssm.kernels.skinny_linear_triton import fma_gemv_row, fma_tile, gemv_serves, linear_triton
 
 
 @triton.jit
@@ -83,10 +83,9 @@ def _in_proj_conv_kernel(
 
 
 def fusable(hidden: Tensor, weight: Tensor) -> bool:
-    """Whether the one-launch kernel serves this call: one row, bf16/fp16 on CUDA (where the GEMV
-    path serves in_proj at all, skinny_linear_triton.linear_triton)."""
-    return (hidden.is_cuda and hidden.dim() == 2 and hidden.shape[0] == 1 and hidden.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == hidden.dtype and hidden.stride(1) == 1 and weight.stride(1) == 1)
+    """Whether the one-launch kernel serves this call: one row where the GEMV serves in_proj at all
+    (skinny_linear_triton.gemv_serves)."""
+    return gemv_serves(hidden, weight) and hidden.shape[0] == 1
 
 
 def in_proj_conv_triton(
@@ -119,7 +118,7 @@ def in_proj_conv_triton(
     _check_conv_args("in_proj_conv", proj[:, conv_start:conv_start + conv_dim], conv_weight, conv_bias, conv_state,
                      state_indices, 1, "silu")
     xbc = torch.empty((1, conv_dim), dtype=hidden.dtype, device=hidden.device)  # [1, conv_dim]
-    t = FMA_TILE_NARROW if N <= 4096 else FMA_TILE
+    t = fma_tile(N)
     pdl = use_pdl(hidden)
     with _on_device(hidden):
         _in_proj_conv_kernel[(triton.cdiv(N, t.block_n),)](

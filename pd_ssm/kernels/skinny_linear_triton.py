@@ -210,7 +210,7 @@ def skinny_linear_triton(
     interpreted = not x.is_cuda
     if M <= FMA_MAX_ROWS:
         pdl = use_pdl(x)
-        t = tile or (FMA_TILE_NARROW if N <= 4096 else FMA_TILE)
+        t = tile or fma_tile(N)
         if t.prefetch_k % t.block_k or t.prefetch_k & (t.prefetch_k - 1):
             raise ValueError(f"skinny_linear: prefetch_k must be 0 or a power of two multiple of block_k "
                              f"({t.block_k}), got {t.prefetch_k}")
@@ -240,11 +240,22 @@ def skinny_linear_triton(
     return y
 
 
+def fma_tile(n: int) -> LinearTile:
+    """The one-row GEMV's tile for an output of `n` columns (narrow outputs want narrower tiles)."""
+    return FMA_TILE_NARROW if n <= 4096 else FMA_TILE
+
+
+def gemv_serves(x: Tensor, weight: Tensor) -> bool:
+    """Whether the weight-streaming GEMV is the faster choice for x @ weight^T: bf16 / fp16 on CUDA,
+    at most FMA_MAX_ROWS rows (decode steps of small batches), stride 1 on K."""
+    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FMA_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and x.stride(1) == 1 and weight.stride(1) == 1)
+
+
 def linear_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """The model's linear layers on the Triton backend: the weight-streaming kernel where it was
     measured faster than cuBLAS (bf16 / fp16 on CUDA, at most FMA_MAX_ROWS rows: decode steps of
     small batches), torch's F.linear (cuBLAS) everywhere else.  x [M, K], weight [N, K]."""
-    if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FMA_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) \
-            and weight.dtype == x.dtype and x.stride(1) == 1 and weight.stride(1) == 1:
+    if gemv_serves(x, weight):
         return skinny_linear_triton(x, weight, bias)
     return linear_ref(x, weight, bias)
