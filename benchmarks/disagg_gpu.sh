@@ -6,6 +6,7 @@
 #
 # Usage (device tool, kind nvidia-h200-x2, carry third_party/wheels):
 #   bash benchmarks/disagg_gpu.sh
+#   EXTRA="--stream-layers --stream-bytes 65536" bash benchmarks/disagg_gpu.sh   (layer-wise streaming)
 # Writes $OUT/disagg_gpu.json (every request: tokens, match, TTFT, transfer figures from /metrics),
 # $OUT/disagg_gpu.txt (summary) and $OUT/serve.log; exits 1 on any mismatch or error, 2 when the
 # deployment does not come up.
@@ -35,6 +36,8 @@ fi
 
 MODEL=${MODEL:-$($PY -c "from pd_ssm.default_model import default_model_dir; print(default_model_dir())")}
 FLAGS=(--device "$DEVICE" --max-num-seqs 8 --gpu-memory-utilization 0.3)
+# shellcheck disable=SC2206  # EXTRA: more serve flags, e.g. EXTRA="--stream-layers --stream-bytes 65536"
+FLAGS+=(${EXTRA:-})
 $PY -m pd_ssm.cli serve --disagg --num-prefill 1 --num-decode 1 --connector nccl --gpus 0,1 \
     --model "$MODEL" --port 0 "${FLAGS[@]}" > "$OUT/serve.out" 2> "$OUT/serve.log" &
 SERVE=$!

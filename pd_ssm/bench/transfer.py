@@ -188,7 +188,8 @@ def format_table(result: dict[str, Any]) -> str:
             continue
         lines.append("")
         lines.append(
-            f"layer-wise streaming over {via} ({s['model']}, {s['tokens']} tokens, {s['mbytes']:.1f} MB): prefill "
+            f"layer-wise streaming over {via} ({s['model']}, {s['tokens']} tokens, {s['mbytes']:.1f} MB, "
+            f"{'graph' if s.get('graph') else 'eager'} prefill): prefill "
             f"{s['prefill_ms']:.1f} ms, transfer {s['transfer_ms']:.1f} ms, overlap {s['overlap_ms']:.1f} ms "
             f"({100 * s['hidden']:.0f}% hidden), {s['exposed_ms']:.1f} ms left after the prefill vs "
             f"{s['whole_send_ms']:.1f} ms for a whole send; prefill start -> pages in: streamed "

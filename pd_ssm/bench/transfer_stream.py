@@ -15,8 +15,10 @@ session 4). Per run:
   whole send without streaming: the exported request's one send -> received
   streamed total     prefill start -> request received, with streaming
   sequential total   the same on a second engine without streaming: prefill, export, one send
-                     (NCCL: that engine runs its prefill in CUDA graphs, as the NCCL path does by
-                     default; streaming needs the per-layer hooks of the eager forward)
+                     (NCCL on CUDA: both engines run their prefill in CUDA graphs, the streaming
+                     one with its copies gated on the graph's layer events, layer_export.py;
+                     `graph` says whether its forward did; ZMQ streams from the eager forward's
+                     per-layer hooks)
 
 Default model: Mamba2-2.7B shapes with dummy weights on CUDA (bench/engine.py's config), the
 embedded tiny hybrid on the CPU. Medians over the runs after one warm-up.
@@ -53,10 +55,14 @@ class _TimedSink:
         self.inner = inner
         self.first: float | None = None
 
-    def send_layers(self, req_id: str, layers: list[LayerPages]) -> None:
+    @property
+    def device_pages(self) -> bool:
+        return self.inner.device_pages
+
+    def send_layers(self, req_id: str, layers: list[LayerPages], ready: Any = None, last: bool = False) -> None:
         if self.first is None:
             self.first = time.perf_counter()
-        self.inner.send_layers(req_id, layers)
+        self.inner.send_layers(req_id, layers, ready, last)
 
     def finish(self, request: RequestState) -> None:
         self.inner.finish(request)
@@ -105,8 +111,9 @@ def _measure(model: str | None, device: str, tokens: int, repeats: int, timeout:
 
         model = str(random_model_dir())  # the tiny hybrid: this measures transfer, not text
     nccl = connector == "nccl"
-    streaming = _engine(model, device, tokens, dummy)
-    plain = _engine(model, device, tokens, dummy, eager=not (nccl and device == "cuda"))
+    eager = not (nccl and device == "cuda")
+    streaming = _engine(model, device, tokens, dummy, eager=eager)
+    plain = _engine(model, device, tokens, dummy, eager=eager)
     runs: list[dict[str, float]] = []
     mbytes = 0.0
     with _Peer(_stream_receiver, (timeout, connector, device), timeout) as peer, \
@@ -122,7 +129,9 @@ def _measure(model: str | None, device: str, tokens: int, repeats: int, timeout:
             runs.append(run)
     keys = runs[0].keys()
     med = {k: statistics.median(r[k] for r in runs[1:]) for k in keys}
+    pg = streaming.runner.prefill_graphs
     return dict(model=name or Path(model).name, tokens=tokens, mbytes=mbytes, runs=repeats, connector=connector,
+                graph=pg is not None and pg.replays > 0,
                 hidden=med["overlap_ms"] / med["transfer_ms"] if med["transfer_ms"] > 0 else 0.0, **med)
 
 

@@ -18,18 +18,27 @@ complete while later layers are being launched. `finish` and `cancel`
 wait for every copy of the step, so by the time the engine frees the slot no copy still reads it
 and no later step can overwrite it under one.
 
+Device sinks (`device_pages`: a connector that sends from GPU memory, NCCL) get device staging
+instead, handed over at once with the event that says it is complete (`ready`): the connector's
+own stream waits for it, so neither the hook nor the connector ever waits on the host, and the
+pages never go through host memory. Such a step may run in a prefill CUDA graph: the graph records
+an event after each layer (prefill_graphs.py), and `graph_ran` queues the layers' copies behind
+those events (GRAPH_STAGE_LAYERS at a time) right after the replay is launched, so a graph prefill
+streams as an eager one does. The request's last layers go with `last`, so the connector sends
+them at once rather than with the request's state after sampling.
+
 Whole-request sinks (`per_layer=False`: a connector that sends a request in one piece, e.g. the
 NCCL connector) get no hook at all -- the step may then run in a prefill CUDA graph -- and
 `finish` exports the request in one gather per pool tensor, on the device (export_pages).
 
-Decode steps never stream: the runner asks `begin` only on eager steps, and CUDA graphs are left
-alone (their captured ForwardMeta has no hook).
+Decode steps never stream: their CUDA graphs are left alone (their captured ForwardMeta has no
+hook).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,12 +49,21 @@ from pd_ssm.cache.pages import LayerPages, RequestState, StatePages, export_laye
 from pd_ssm.cache.pool import CachePool
 from pd_ssm.engine.schedule_types import SchedulerOutput
 
+# graph_ran: cache layers staged behind one of the graph's layer events, by one batched copy. The
+# connector makes parts of ~32 MiB (12 layers of 2.7B fp32 pages) anyway: finer gating would only
+# add kernels beside the graph's (each small copy delays the prefill a little)
+GRAPH_STAGE_LAYERS = 8
+
 
 class PageSink(Protocol):
     """Where the exporter puts a request's pages (state_transfer.connector_sink.ConnectorSink)."""
 
-    def send_layers(self, req_id: str, layers: list[LayerPages]) -> None:
-        """Some final layers of `req_id` (host tensors, each layer once over all calls)."""
+    def send_layers(self, req_id: str, layers: list[LayerPages], ready: torch.cuda.Event | None = None,
+                    last: bool = False) -> None:
+        """Some final layers of `req_id`, each layer once over all calls: host tensors, or with
+        `device_pages` device tensors complete once `ready` is (and every earlier `ready` of the
+        sink: they are recorded in order on one stream). `last`: no more layers of it follow (what
+        is held of it may leave now, before its first token is sampled)."""
 
     def finish(self, request: RequestState) -> None:
         """The last call for a request: its state after the first token; all its layers came before."""
@@ -81,6 +99,10 @@ class LayerExporter:
         self.per_layer = per_layer
         self.cache_layers = frozenset(pool.ssm_index) | frozenset(pool.attn_index)
         self.side = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
+        # device staging handed over with its `ready` event (module docstring): what lets a
+        # streaming step run in a prefill graph
+        self.gated = self.side is not None and bool(getattr(sink, "device_pages", False))
+        self._last_layer = max(self.cache_layers, default=-1)
         self._targets: list[_Target] = []
         self._staged: deque[_Staged] = deque()
 
@@ -97,6 +119,16 @@ class LayerExporter:
         ]
         return self.layer_done if self._targets else None
 
+    def graph_ran(self, layer_events: Mapping[int, torch.cuda.Event]) -> None:
+        """The step ran in a prefill graph (just launched): the cache layers' copies, GRAPH_STAGE_LAYERS
+        at a time behind the event the graph records after the last of them. Only for `gated`
+        sinks: nothing here waits."""
+        assert self.gated
+        layers = sorted(self.cache_layers)
+        for i in range(0, len(layers), GRAPH_STAGE_LAYERS):
+            group = layers[i : i + GRAPH_STAGE_LAYERS]
+            self._stage(group, layer_events[group[-1]])
+
     def layer_done(self, layer_idx: int) -> None:
         """Called by the model after decoder layer `layer_idx` of a streaming step."""
         if layer_idx not in self.cache_layers:
@@ -106,22 +138,47 @@ class LayerExporter:
                 page = export_layer(self.pool, layer_idx, t.slot, t.block_table, t.num_tokens)
                 self.sink.send_layers(t.req_id, [page])
             return
-        computed = torch.cuda.current_stream(self.pool.device).record_event()
+        self._stage([layer_idx], torch.cuda.current_stream(self.pool.device).record_event())
+
+    def _stage(self, layer_ids: list[int], computed: torch.cuda.Event) -> None:
+        """Snapshot `layer_ids` of every target on the side stream once `computed` is: to pinned host
+        (handed over as their copies complete), or on the device (`gated`: handed over at once)."""
+        assert self.side is not None
         staged: list[tuple[str, LayerPages]] = []
-        ssm = layer_idx in self.pool.ssm_index
+        outs: list[torch.Tensor] = []  # gated: the device snapshots, made by one batched copy
+        srcs: list[torch.Tensor] = []
         with torch.cuda.stream(self.side):
             self.side.wait_event(computed)
-            for t in self._targets:
-                if ssm:  # straight from the slot: nothing writes it again before finish/cancel wait for us
-                    kind, views = "ssm", {"conv": self.pool.conv(layer_idx)[t.slot], "ssm": self.pool.ssm(layer_idx)[t.slot]}
-                else:  # attention: the request's KV rows, gathered out of its blocks
-                    page = export_layer(self.pool, layer_idx, t.slot, t.block_table, t.num_tokens)
-                    kind, views = page.kind, page.tensors
-                host = {name: _pinned_copy(x) for name, x in views.items()}
-                staged.append((t.req_id, LayerPages(layer_idx, kind, host)))
+            for layer_idx in layer_ids:
+                ssm = layer_idx in self.pool.ssm_index
+                for t in self._targets:
+                    if ssm:  # straight from the slot: nothing writes it again before finish/cancel wait for us
+                        kind, views = "ssm", {"conv": self.pool.conv(layer_idx)[t.slot], "ssm": self.pool.ssm(layer_idx)[t.slot]}
+                    else:  # attention: the request's KV rows, gathered out of its blocks (a copy already)
+                        page = export_layer(self.pool, layer_idx, t.slot, t.block_table, t.num_tokens)
+                        kind, views = page.kind, page.tensors
+                    if not self.gated:
+                        views = {name: _pinned_copy(x) for name, x in views.items()}
+                    elif ssm:
+                        srcs += views.values()
+                        views = {name: torch.empty(x.shape, dtype=x.dtype, device=x.device) for name, x in views.items()}
+                        outs += views.values()
+                    staged.append((t.req_id, LayerPages(layer_idx, kind, views)))
+            if outs:
+                torch._foreach_copy_(outs, srcs)  # NOTE: a few launches for all of them, not one per tensor
             done = self.side.record_event()
-        self._staged.append(_Staged(done, staged))
-        self._hand_over(wait=False)
+        if not self.gated:
+            self._staged.append(_Staged(done, staged))
+            self._hand_over(wait=False)
+            return
+        # handed over now: the sink's connector waits for `done` on the device
+        last = layer_ids[-1] == self._last_layer
+        by_req: dict[str, list[LayerPages]] = {}
+        for req_id, page in staged:
+            by_req.setdefault(req_id, []).append(page)
+        for req_id, pages in by_req.items():
+            self.sink.send_layers(req_id, pages, ready=done, last=last)
+        self._staged.append(_Staged(done, []))  # finish / cancel still wait for the copies
 
     def finish(self, request: RequestState) -> None:
         """The request's first token is sampled: its remaining layers, then its state, to the sink."""

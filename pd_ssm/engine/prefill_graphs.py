@@ -27,6 +27,12 @@ The output is the graph's own hidden-state tensor [Tb, hidden] (memory of the gr
 until the next replay); the runner gathers the rows it samples and computes their logits eagerly.
 `ForwardMeta`'s host lists inside a graph describe the capture-time batch: the Triton prefill path
 reads only `query_start_loc_cpu[0]`, which is 0 in every bucket.
+
+Layer events (`layer_events`): every graph records one external CUDA event after each decoder
+layer (a record node: the graph's only link to the host is its launch, so this is how work outside
+it learns that a layer is done). Every bucket records the same events; the last replay launched is
+the one a stream waiting on them waits for. A prefill worker streaming pages layer by layer
+(layer_export.py) makes its copies wait on them, so a graph prefill streams as an eager one does.
 """
 
 from __future__ import annotations
@@ -182,6 +188,7 @@ class PrefillGraphs:
         scratch_slot: int,
         width: int,
         capture: bool = True,
+        layer_events: bool = True,
     ) -> None:
         if not buckets or any(not 0 < sb <= tb for tb, sb in buckets) or len(set(buckets)) != len(buckets):
             raise ValueError(f"prefill buckets must be distinct (tokens, sequences) with 0 < sequences <= tokens, "
@@ -198,6 +205,11 @@ class PrefillGraphs:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.capture_seconds = 0.0
         self.replays = 0
+        # layer index -> the event every graph records after that layer (module docstring); made
+        # while the first bucket warms up, before any capture
+        self.layer_events: dict[int, torch.cuda.Event] | None = (
+            {} if layer_events and capture and pool.device.type == "cuda" else None
+        )
         if capture:
             self._capture()
 
@@ -207,7 +219,16 @@ class PrefillGraphs:
 
     def _body(self, bucket: tuple[int, int]) -> torch.Tensor:
         ids, positions, meta = self.buffers.inputs(bucket)
+        if self.layer_events is not None:
+            meta.on_layer = self._record
         return self.model(ids, positions, meta, self.pool)  # [Tb, hidden]
+
+    def _record(self, layer_idx: int) -> None:
+        assert self.layer_events is not None
+        event = self.layer_events.get(layer_idx)
+        if event is None:  # external: a record node when captured, not an edge inside the graph
+            event = self.layer_events[layer_idx] = torch.cuda.Event(external=True)
+        event.record()
 
     def _padding_only(self, bucket: tuple[int, int]) -> None:
         """Make a bucket all padding (what warm-up and capture run on: only the scratch slot moves):

@@ -150,13 +150,18 @@ class ModelRunner:
             return self.graphs.run(self.decode_rows(sched.decodes), feed), [seq.request for seq in sched.decodes]
         if feed is not None and sched.prefills:
             raise RuntimeError("tokens in flight feed decode-only steps; this step has prefill chunks")
-        # per-layer export of the prefills that finish in this step: eager only (graphs run no hook)
+        # per-layer export of the prefills that finish in this step: a hook in an eager forward, or
+        # after a graph prefill, copies gated on the graph's layer events (device staging only)
         stream = self.layer_export.begin(sched) if self.layer_export is not None else None
         pg = self.prefill_graphs
-        if (stream is None and pg is not None and not sched.decodes
-                and pg.bucket(sched.num_tokens, len(sched.prefills)) is not None):
+        if (pg is not None and not sched.decodes and pg.bucket(sched.num_tokens, len(sched.prefills)) is not None
+                and (stream is None or (pg.layer_events is not None and self.layer_export is not None
+                                        and self.layer_export.gated))):
             host, rows = self.host_rows(sched)
             hidden = pg.run(host)
+            if stream is not None:
+                assert self.layer_export is not None and pg.layer_events is not None
+                self.layer_export.graph_ran(pg.layer_events)
         else:
             input_ids, positions, meta, rows = self.build(sched)
             if feed is not None:

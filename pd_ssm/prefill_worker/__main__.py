@@ -36,7 +36,8 @@ def make_role(args: argparse.Namespace, engine: Engine, worker_id: str) -> Prefi
                                             stream_bytes=args.stream_bytes))
 
         # gloo (CPU) sends complete only inside a blocking wait: see FanoutConnector
-        connector = FanoutConnector(pair, wait_sends=device == "cpu", streams=args.stream_layers)
+        connector = FanoutConnector(pair, wait_sends=device == "cpu", streams=args.stream_layers,
+                                    device_pages=device != "cpu")
     return PrefillRole(engine, connector, worker_id, max_unsent=args.max_unsent)
 
 

@@ -7,7 +7,8 @@ an address shows up (its `rendezvous` comes with the ticket).  ZMQ needs none of
 ZmqConnector sends to any address.
 
 `streams`: the children stream layer by layer (NcclConfig.stream_layers): `send_layers` goes to
-the ticket's child as `send` does.
+the ticket's child as `send` does. `device_pages`: they take device pages with a `ready` event
+(NCCL on CUDA; base.py).
 
 `wait_sends`: the children's sends complete only inside a blocking wait (gloo's p2p Work cannot be
 polled; a wait that times out breaks the stream), so `get_finished` flushes them -- bounded by
@@ -17,6 +18,7 @@ the receiver's next poll, which the decode worker's loop makes every iteration.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from pd_ssm.cache.pages import LayerPages, StatePages
 from pd_ssm.state_transfer.base import Connector, StreamingConnector, Ticket, TransferStats
@@ -26,8 +28,10 @@ class FanoutConnector(StreamingConnector):
     """`make(rendezvous)` builds a sending connector paired with the receiver hosting `rendezvous`
     (blocking until paired); its `address` must then be the one that receiver's tickets name."""
 
-    def __init__(self, make: Callable[[str], Connector], wait_sends: bool = False, streams: bool = False) -> None:
+    def __init__(self, make: Callable[[str], Connector], wait_sends: bool = False, streams: bool = False,
+                 device_pages: bool = False) -> None:
         self._make = make
+        self._device_pages = device_pages
         self.wait_sends = wait_sends
         self._streams = streams
         self._peers: dict[str, Connector] = {}  # receiver data address -> sender paired with it
@@ -55,14 +59,18 @@ class FanoutConnector(StreamingConnector):
     def streams(self) -> bool:
         return self._streams
 
+    @property
+    def device_pages(self) -> bool:
+        return self._device_pages
+
     def send(self, pages: StatePages, ticket: Ticket) -> None:
         self._child(ticket).send(pages, ticket)
 
-    def send_layers(self, ticket: Ticket, layers: Sequence[LayerPages]) -> None:
+    def send_layers(self, ticket: Ticket, layers: Sequence[LayerPages], ready: Any = None, last: bool = False) -> None:
         child = self._child(ticket)
         if not isinstance(child, StreamingConnector):
             raise TypeError(f"the connector paired with {ticket.address} does not stream layer by layer")
-        child.send_layers(ticket, layers)
+        child.send_layers(ticket, layers, ready, last)
 
     def _child(self, ticket: Ticket) -> Connector:
         child = self._peers.get(ticket.address)

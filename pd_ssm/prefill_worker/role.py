@@ -68,8 +68,12 @@ class PrefillRole:
         self._send = send
 
     # --- PageSink: the engine's exporter calls these ------------------------------------------
-    def send_layers(self, req_id: str, layers: list[LayerPages]) -> None:
-        self.sink.send_layers(req_id, layers)
+    @property
+    def device_pages(self) -> bool:
+        return self.sink.device_pages
+
+    def send_layers(self, req_id: str, layers: list[LayerPages], ready: Any = None, last: bool = False) -> None:
+        self.sink.send_layers(req_id, layers, ready, last)
 
     def finish(self, request: RequestState) -> None:
         self.sink.finish(request)

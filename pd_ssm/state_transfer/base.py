@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 from pd_ssm.cache.pages import LayerPages, StatePages
 
@@ -172,9 +172,19 @@ class StreamingConnector(Connector):
         or whole requests after the forward; a connector may stream only when configured to."""
         return True
 
+    @property
+    def device_pages(self) -> bool:
+        """Whether `send_layers` takes device tensors with a `ready` event (a connector that sends
+        from GPU memory: the pages need never go through the host, and its own stream waits for
+        them). False: host tensors, complete when handed over."""
+        return False
+
     @abstractmethod
-    def send_layers(self, ticket: Ticket, layers: Sequence[LayerPages]) -> None:
+    def send_layers(self, ticket: Ticket, layers: Sequence[LayerPages], ready: Any = None, last: bool = False) -> None:
         """Start sending some layers of `ticket.req_id` ahead of its final `send`; returns at once.
+        `ready`: `device_pages` only, the device event the layers are complete after. `last`: no
+        more layers of the request follow (a connector that holds layers to send them together
+        sends what it holds now).
 
         Every layer goes out exactly once over all calls (the receiver rejects a duplicate);
         the receiver holds the pieces and reports the request only after the final `send` and

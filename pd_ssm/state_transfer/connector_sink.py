@@ -9,6 +9,10 @@ connector the whole request in the final `send`. The ticket may come later than 
 layers (the prefill side starts computing before the decode side answered); layers wait here
 until it does, and a request finished before its ticket came is sent when the ticket arrives.
 
+Device pages (`device_pages`: the connector streams from GPU memory) come with the event that
+says they are complete (`ready`); the sink passes the latest one on with them (the exporter
+records them in order on one stream, so it covers every earlier layer too).
+
 A ticket that expired before a piece could leave fails the request here (`take_failed`) and
 aborts it on the connector: no exception reaches the engine's step loop.
 """
@@ -16,6 +20,7 @@ aborts it on the connector: no exception reaches the engine's step loop.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from pd_ssm.cache.pages import LayerPages, RequestState, StatePages
 from pd_ssm.state_transfer.base import Connector, StreamingConnector, Ticket
@@ -25,8 +30,10 @@ class ConnectorSink:
     def __init__(self, connector: Connector) -> None:
         self.connector = connector
         self.streams = isinstance(connector, StreamingConnector) and connector.streams
+        self.device_pages = self.streams and bool(getattr(connector, "device_pages", False))
         self._tickets: dict[str, Ticket] = {}
         self._held: dict[str, list[LayerPages]] = {}  # layers not handed to the connector yet
+        self._ready: dict[str, Any] = {}  # device_pages: the latest `ready` of each request's held layers
         self._done: dict[str, StatePages] = {}  # finished before their ticket came
         self._failed: dict[str, str] = {}  # reported by take_failed
         self._dead: set[str] = set()  # failed: their later pieces are dropped until finish / cancel
@@ -38,19 +45,22 @@ class ConnectorSink:
             raise ValueError(f"request {req_id!r} already has a ticket (slot {self._tickets[req_id].slot})")
         self._tickets[req_id] = ticket
         if self.streams and self._held.get(req_id):
-            self._guard(req_id, lambda: self._stream(ticket, self._held.pop(req_id)))
+            ready = self._ready.pop(req_id, None)
+            self._guard(req_id, lambda: self._stream(ticket, self._held.pop(req_id), ready))
         pages = self._done.pop(req_id, None)
         if pages is not None:
             self.finish_pages(pages)
 
-    def send_layers(self, req_id: str, layers: list[LayerPages]) -> None:
+    def send_layers(self, req_id: str, layers: list[LayerPages], ready: Any = None, last: bool = False) -> None:
         ticket = self._tickets.get(req_id)
         if req_id in self._dead:
             return
         if ticket is None or not self.streams:
             self._held.setdefault(req_id, []).extend(layers)
+            if ready is not None:
+                self._ready[req_id] = ready
             return
-        self._guard(req_id, lambda: self._stream(ticket, layers))
+        self._guard(req_id, lambda: self._stream(ticket, layers, ready, last))
 
     def finish(self, request: RequestState) -> None:
         self.finish_pages(StatePages(request))
@@ -68,7 +78,13 @@ class ConnectorSink:
             return
         del self._tickets[req_id]
         held = self._held.pop(req_id, None)
-        if held:
+        ready = self._ready.pop(req_id, None)
+        if held and ready is not None:  # device pages held for the ticket: they go with their event
+            self._guard(req_id, lambda: self._stream(ticket, held, ready))
+            if req_id in self._dead:
+                self._dead.discard(req_id)
+                return
+        elif held:
             pages.layers.update((p.layer_idx, p) for p in held)
         self._guard(req_id, lambda: self.connector.send(pages, ticket))
         self._dead.discard(req_id)  # its last call either way
@@ -88,9 +104,12 @@ class ConnectorSink:
         """Requests holding layers or a finished state here (waiting for a ticket or their end)."""
         return len(self._held.keys() | self._done.keys())
 
-    def _stream(self, ticket: Ticket, layers: list[LayerPages]) -> None:
+    def _stream(self, ticket: Ticket, layers: list[LayerPages], ready: Any = None, last: bool = False) -> None:
         assert isinstance(self.connector, StreamingConnector)
-        self.connector.send_layers(ticket, layers)
+        if ready is None and not last:
+            self.connector.send_layers(ticket, layers)
+        else:
+            self.connector.send_layers(ticket, layers, ready=ready, last=last)
 
     def _guard(self, req_id: str, send: Callable[[], None]) -> None:
         try:
@@ -104,4 +123,5 @@ class ConnectorSink:
     def _forget(self, req_id: str) -> None:
         self._tickets.pop(req_id, None)
         self._held.pop(req_id, None)
+        self._ready.pop(req_id, None)
         self._done.pop(req_id, None)

@@ -17,6 +17,11 @@ little while the link is busy -- the held bytes could not move before the earlie
 8 bf16 requests coalesced at 512 MB left the link idle ~1 ms while its 6-request second message
 was copied and summed (nccl_timeline_gpu.py, RESULTS.md session 7).
 
+Gated entries (`ready`, layer-wise streaming from device pages): the layout runs on the sender's
+own stream behind their events, so the pages it reads are still being made when it is queued; the
+pages belong to another stream's allocations, so the message keeps them (`keep`) until its send
+completed, lest their memory be reused before the copy read it.
+
 Guarantees per request, not per message: each request's runs are checked against their own
 blocks of the sums trailer, so the receiver verifies, hands out or fails each one alone (a
 corrupt request fails, its siblings arrive); an abort names one request; a lost peer fails every
@@ -25,7 +30,7 @@ request of every message in flight.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,11 +51,16 @@ class OutMessage:
     plan: Plan | None = None  # what `lay_out` copies where
     work: Any = None  # the p2p send's torch.distributed Work, once posted (None: no bytes to send)
     finals: list[bool] | None = None  # per entry, whether it is its request's last part (None: all are)
+    ready: list[Any] = field(default_factory=list)  # device events the entries' pages are complete after
+    keep: Any = None  # with `ready`: the pages laid out, alive until the send completed (module docstring)
+    priors: list[int] = field(default_factory=list)  # per entry, its request's bytes in earlier parts
 
     def lay_out(self, device: torch.device) -> torch.Tensor:
         """The buffer with its sums trailer (kernels queued on the current stream, not waited for)."""
         if self.buf is None:
             assert self.plan is not None
+            if self.ready:
+                self.keep = self.plan.sources
             self.buf, self.plan = fill(self.plan, device), None
         return self.buf
 
@@ -69,4 +79,5 @@ def build(queued: list[Queued], gen: int, token: bytes, layouts: Layouts | None 
         parts += [b"", b"", runs] if q.part else [*encode_request(q.pages.request), runs]
     finals = [not q.part for q in queued]
     return OutMessage(req_ids, planned.sizes, [q.start for q in queued], parts, plan=planned,
-                      finals=None if all(finals) else finals)
+                      finals=None if all(finals) else finals, ready=[q.ready for q in queued if q.ready is not None],
+                      priors=[q.prior for q in queued])

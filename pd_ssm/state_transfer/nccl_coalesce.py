@@ -11,6 +11,7 @@ when the link is idle or at its next call that is not a `send`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pd_ssm.cache.pages import StatePages
 
@@ -24,6 +25,8 @@ class Queued:
     nbytes: int  # its tensor bytes (what the cap counts)
     parts: int = 0  # its request's parts sent before it (layer-wise streaming)
     part: bool = False  # a part: some layers of the request ahead of its last (no request frame)
+    ready: Any = None  # a device event its pages are complete after (None: complete now)
+    prior: int = 0  # bytes of its request's parts sent before it (its TransferStats count them)
 
 
 class Coalescer:

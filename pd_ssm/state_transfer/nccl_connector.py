@@ -67,6 +67,7 @@ There are no background threads: the receiver progresses in `recv` / `poll`, the
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import zmq
 
@@ -166,14 +167,25 @@ class NcclConnector(StreamingConnector):
     def streams(self) -> bool:
         return self.config.stream_layers
 
-    def send_layers(self, ticket: Ticket, layers: Sequence[LayerPages]) -> None:
+    @property
+    def device_pages(self) -> bool:
+        """NCCL sends from GPU memory: streamed layers may be device tensors with a `ready` event."""
+        return self.config.backend == "nccl"
+
+    def send_layers(self, ticket: Ticket, layers: Sequence[LayerPages], ready: Any = None, last: bool = False) -> None:
         """Layer-wise streaming (`NcclConfig.stream_layers`): some layers of a request ahead of its
-        final `send`; they leave as a part once `stream_bytes` of them are held."""
+        final `send`; they leave as a part once `stream_bytes` of them are held, or with `last`
+        (the request's last layers: its final send then carries no bytes). `ready` (a CUDA
+        event; `device_pages` only): the layers are complete once it is, and so are those handed
+        over before; the part is then laid out on the sender's own stream behind it and posted at
+        once, whatever else is on the link, since the device orders it."""
         tx = self._sender()
         _check_live(ticket)
         if ticket.address != tx.address and tx.address is not None:
             raise ValueError(f"ticket of {ticket.req_id!r} names {ticket.address}, this connector sends to {tx.address}")
-        tx.send_layers(ticket, layers)
+        if ready is not None and not self.device_pages:
+            raise ValueError("a ready event needs the NCCL backend (device pages); gloo takes host pages as they are")
+        tx.send_layers(ticket, layers, ready, last)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every p2p send completed or failed; True if none is left. Waits at most

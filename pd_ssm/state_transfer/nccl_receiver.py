@@ -88,7 +88,7 @@ class NcclReceiver:
             self._fill()
             if self._queue:
                 head = self._queue[0]
-                pages = self._finish(head)  # one request of it; stays queued meanwhile: lose_peer fails it too
+                pages = self._finish(head, end)  # one request of it; stays queued meanwhile: lose_peer fails it too
                 if head.done:
                     self._queue.popleft()
                 if pages is not None:
@@ -174,9 +174,9 @@ class NcclReceiver:
             item.buf.record_stream(self._side)
             return PendingSums(item.buf[:payload], item.buf[payload:], self._pinned)
 
-    def _finish(self, item: Inbound) -> StatePages | None:
+    def _finish(self, item: Inbound, until: float | None = None) -> StatePages | None:
         """The next message in order: act on it, or on the next of its requests -- waiting for its
-        bytes, then checking that request."""
+        bytes (until `until` at most: then None, and it stays as it is), then checking that request."""
         control = item.control
         if control.kind != "data":
             item.next = 1
@@ -191,7 +191,8 @@ class NcclReceiver:
         if item.work is not None:
             if item.authentic:
                 item.parse(self._headers)  # while its bytes are on the link
-            self._wait(item)
+            if not self._wait(item, until):
+                return None
             self._fill()  # the next messages' recvs go on the link before this one is checked
         if not item.authentic:
             item.next = len(control.req_ids)  # all of it dropped at once
@@ -228,33 +229,45 @@ class NcclReceiver:
             assert item.buf is not None
             runs = unpack_runs(metas, item.buf, self.recv_device, item.block_sums())
             if request is None:  # a part: checked and held until the request's last entry
-                self._streamed.add(req_id, runs)
+                self._streamed.add(req_id, runs, size, item.start)
                 return None
-            runs = self._streamed.finish(req_id, control.parts[i], runs)
+            streamed = self._streamed.finish(req_id, control.parts[i], runs)
         except FrameError as e:
             self._fail_stream(req_id, f"bad metadata or bytes: {e}", last)
             return None
-        pages = StatePages(request, runs=runs)
+        pages = StatePages(request, runs=streamed.runs)
         self.table.complete(req_id)
-        self.ledger.received(TransferStats(req_id, size, time.monotonic() - item.start))
+        # NOTE: a streamed request counts from its first part, with every part's bytes
+        start = item.start if streamed.start is None else streamed.start
+        self.ledger.received(TransferStats(req_id, size + streamed.nbytes, time.monotonic() - start))
         return pages
 
-    def _wait(self, item: Inbound) -> None:
+    def _wait(self, item: Inbound, until: float | None = None) -> bool:
         """Until `item`'s recv completed (taking in and posting the next messages meanwhile, where
-        the backend can be polled), or failed: then the peer is lost."""
+        the backend can be polled), or failed -- then the peer is lost -- or `timeout` after it was
+        read: True. False if `until` came first (NCCL only, which can be polled): the recv stays
+        posted. NOTE: a streamed part's metadata leaves when its layers are launched, its bytes
+        once the sender's GPU made them (nccl_connector.py): a caller that polls must not block
+        for a prefill's forward."""
         group, work = self._group, item.work
         assert group is not None and work is not None
-        end = time.monotonic() + self.config.timeout
-        while group.done(work) is False and time.monotonic() < end:
+        end = item.start + self.config.timeout
+        stop = end if until is None else min(end, until)
+        while group.done(work) is False and time.monotonic() < stop:
             self._fill()
             if item.work is None:  # the peer was lost meanwhile
-                return
+                return True
             time.sleep(POLL_S)
+        if item.work is None:
+            return True
+        if until is not None and time.monotonic() < end and group.done(work) is False:
+            return False
         why = group.wait(work, max(0.0, end - time.monotonic()))
         item.work = None
         if why is not None:
             self.lose_peer(f"p2p recv failed: {why}")
             item.lost = f"peer lost mid-transfer ({item.control.nbytes} B): {why}"
+        return True
 
     def _lost(self, item: Inbound, why: str) -> None:
         self.lose_peer(f"p2p recv failed: {why}")

@@ -20,6 +20,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,6 +73,7 @@ class NcclSender:
         self._lost = "peer lost"  # why the last pairing went (a request held meanwhile fails with it)
         self._streams = StreamOut()  # layer-wise streaming (`send_layers`)
         self._probed = 0.0  # time.monotonic() of reap's last store probe
+        self._stream: torch.cuda.Stream | None = None  # where gated messages are laid out (`_gate`)
 
     @property
     def paired(self) -> bool:
@@ -121,17 +124,29 @@ class NcclSender:
             return
         if streamed.layers:
             pages.layers.update((p.layer_idx, p) for p in streamed.layers)
-        for message in self._held.add(Queued(pages, time.monotonic(), pages.nbytes(), streamed.parts)):
+        # NOTE: a streamed request's stats count from its first layers, with every part's bytes
+        start = time.monotonic() if streamed.start is None else streamed.start
+        self._queue(Queued(pages, start, pages.nbytes(), streamed.parts, ready=streamed.ready, prior=streamed.sent))
+
+    def _queue(self, q: Queued) -> None:
+        """Post `q` now, hold it, or post it with what is held (module docstring). One gated on
+        a device event goes at once, after what is held: the device orders it, and holding it
+        would make the layers streamed with it wait for the last of them."""
+        if q.ready is not None:
+            self._post(self._held.take())
+            self._post([q])
+            return
+        for message in self._held.add(q):
             self._post(message)
         if not self._link_busy():
             self._post(self._held.take())
 
-    def send_layers(self, ticket: Ticket, layers: Sequence[LayerPages]) -> None:
+    def send_layers(self, ticket: Ticket, layers: Sequence[LayerPages], ready: Any = None, last: bool = False) -> None:
         """Layer-wise streaming: hold `layers` of `ticket.req_id`; once they reach `stream_bytes`
         they become a PART (nccl_control.py), which goes out as a request does: at once on an idle
         link, else coalesced with what is held (the parts of a batch's requests, finished layer
         by layer together, share messages). The request's final `send` takes the layers still
-        held and says how many parts went before."""
+        held and says how many parts went before. `ready`, `last`: nccl_connector.py."""
         req_id = ticket.req_id
         if self._streams.is_broken(req_id):
             return
@@ -141,13 +156,10 @@ class NcclSender:
             except RuntimeError as e:
                 self._break(req_id, str(e))
                 return
-        pages = self._streams.add(req_id, layers, self.config.stream_bytes)
-        if pages is None:
+        part = self._streams.add(req_id, layers, self.config.stream_bytes, ready, flush=last)
+        if part is None:
             return
-        for message in self._held.add(Queued(pages, time.monotonic(), pages.nbytes(), part=True)):
-            self._post(message)
-        if not self._link_busy():
-            self._post(self._held.take())
+        self._queue(Queued(part.pages, time.monotonic(), part.pages.nbytes(), part=True, ready=part.ready))
 
     def _fail_queued(self, q: Queued, reason: str) -> None:
         """A request's entry cannot go: a part breaks its stream (the final send is then dropped)."""
@@ -202,19 +214,31 @@ class NcclSender:
             return
         out.parts = []
         self._pending.append(out)  # from here on a lost peer fails it
-        try:
-            buf = out.lay_out(self.device)
-        except RuntimeError as e:  # out of device memory: the receiver waits for bytes that cannot come
-            self.lose_peer(f"cannot lay out a {sum(out.sizes)}-byte message: {str(e).splitlines()[0][:200]}")
-            return
-        if buf.numel() == 0:
-            self._pending.pop()
-            self._complete(out)
-            return
-        try:
-            out.work = self._group.isend(buf)
-        except RuntimeError as e:  # gloo refuses at once on a pair whose peer is gone
-            self.lose_peer(f"peer lost: {e}")
+        with self._gate(out.ready):
+            try:
+                buf = out.lay_out(self.device)
+            except RuntimeError as e:  # out of device memory: the receiver waits for bytes that cannot come
+                self.lose_peer(f"cannot lay out a {sum(out.sizes)}-byte message: {str(e).splitlines()[0][:200]}")
+                return
+            if buf.numel() == 0:
+                self._pending.pop()
+                self._complete(out)
+                return
+            try:
+                out.work = self._group.isend(buf)  # NOTE: NCCL orders it after the current stream's work
+            except RuntimeError as e:  # gloo refuses at once on a pair whose peer is gone
+                self.lose_peer(f"peer lost: {e}")
+
+    def _gate(self, ready: list[Any]) -> AbstractContextManager[Any]:
+        """The stream a message is laid out and posted from: the current one, or for pages still
+        being made (`ready` events) the sender's own, made to wait for them."""
+        if not ready:
+            return nullcontext()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        for event in ready:
+            self._stream.wait_event(event)
+        return torch.cuda.stream(self._stream)
 
     def post(self, req_ids: list[str], parts: list[bytes | memoryview], buf: torch.Tensor, start: float) -> None:
         """`parts` out, then the p2p send of `buf`, after everything sent before. Public so fault
@@ -295,9 +319,10 @@ class NcclSender:
     def _complete(self, out: OutMessage) -> None:
         now = time.monotonic()
         finals = out.finals or [True] * len(out.req_ids)
-        for req_id, size, start, final in zip(out.req_ids, out.sizes, out.starts, finals, strict=True):
+        priors = out.priors or [0] * len(out.req_ids)
+        for req_id, size, start, final, prior in zip(out.req_ids, out.sizes, out.starts, finals, priors, strict=True):
             if final:  # a part's request completes with its last part
-                self.ledger.sent(TransferStats(req_id, size, now - start))
+                self.ledger.sent(TransferStats(req_id, size + prior, now - start))
 
     def lose_peer(self, reason: str) -> None:
         """Fail every request in flight -- held or posted -- (aborted ones silently) and tear the

@@ -10,9 +10,10 @@ are dropped.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from pd_ssm.cache.pages import LayerPages, RequestState, StatePages
 
@@ -22,11 +23,22 @@ class _Held:
     layers: list[LayerPages] = field(default_factory=list)
     nbytes: int = 0
     parts: int = 0
+    ready: Any = None  # the latest device event of the held layers (NOTE: recorded in order: it covers them all)
+    sent: int = 0  # bytes of the parts made
+    start: float = field(default_factory=time.monotonic)  # its first layers came
+
+
+class Part(NamedTuple):
+    pages: StatePages
+    ready: Any  # a device event the part's layers are complete after, or None (host pages)
 
 
 class Finished(NamedTuple):
     layers: list[LayerPages]  # held, not sent in a part: they go with the final send
     parts: int  # parts made before it
+    ready: Any = None  # as Part's, for those layers
+    sent: int = 0  # bytes of those parts
+    start: float | None = None  # time.monotonic() its first layers came; None: it did not stream
 
 
 _MAX_BROKEN = 1 << 16  # broken streams remembered: an aborted request's final send may never come
@@ -40,8 +52,10 @@ class StreamOut:
     def is_broken(self, req_id: str) -> bool:
         return req_id in self._broken
 
-    def add(self, req_id: str, layers: Sequence[LayerPages], stream_bytes: int) -> StatePages | None:
-        """Hold `layers` of `req_id`; the part to send if they now reach `stream_bytes`.
+    def add(self, req_id: str, layers: Sequence[LayerPages], stream_bytes: int, ready: Any = None,
+            flush: bool = False) -> Part | None:
+        """Hold `layers` of `req_id` (complete once `ready` is, if given); the part to send if they
+        now reach `stream_bytes`, or with `flush` if any are held.
         NOTE: called once per layer per request (64 times for a 2.7B request): kept lean."""
         held = self._held.get(req_id)
         if held is None:
@@ -49,10 +63,13 @@ class StreamOut:
         held.layers += layers
         for page in layers:
             held.nbytes += page.nbytes()
-        if held.nbytes < stream_bytes:
+        if ready is not None:
+            held.ready = ready
+        if held.nbytes < stream_bytes and not (flush and held.layers):
             return None
-        part = StatePages(_carrier(req_id), layers={p.layer_idx: p for p in held.layers})
-        held.layers, held.nbytes = [], 0
+        part = Part(StatePages(_carrier(req_id), layers={p.layer_idx: p for p in held.layers}), held.ready)
+        held.sent += held.nbytes
+        held.layers, held.nbytes, held.ready = [], 0, None
         held.parts += 1
         return part
 
@@ -63,7 +80,9 @@ class StreamOut:
             del self._broken[req_id]
             return None
         held = self._held.pop(req_id, None)
-        return Finished([], 0) if held is None else Finished(held.layers, held.parts)
+        if held is None:
+            return Finished([], 0)
+        return Finished(held.layers, held.parts, held.ready, held.sent, held.start)
 
     def break_(self, req_id: str) -> None:
         """Its stream broke: what is held goes, and its later layers and final send are dropped."""

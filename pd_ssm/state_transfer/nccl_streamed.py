@@ -11,6 +11,7 @@ one missing means it failed or was dropped, and so does the request).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pd_ssm.cache.pages import PageRun
 from pd_ssm.state_transfer.wire import FrameError
@@ -22,6 +23,14 @@ class _Held:
     parts: int = 0
     by_name: dict[str, set[int]] = field(default_factory=dict)  # tensor name -> layers that brought it
     by_kind: dict[str, set[int]] = field(default_factory=dict)  # page kind -> its layers
+    nbytes: int = 0  # the parts' bytes in their messages
+    start: float = 0.0  # when its first part was read (time.monotonic())
+
+
+class Streamed(NamedTuple):
+    runs: list[PageRun]  # every run of the request, in layer order
+    nbytes: int  # the bytes of its parts before the last entry
+    start: float | None  # when its first part was read; None: it had none
 
 
 class StreamedParts:
@@ -37,27 +46,30 @@ class StreamedParts:
     def req_ids(self) -> list[str]:
         return list(self._held)
 
-    def add(self, req_id: str, runs: list[PageRun]) -> None:
-        """One part's runs of `req_id`; FrameError (nothing kept of this part) if a layer
-        came before or under another page kind."""
-        held = self._held.setdefault(req_id, _Held())
+    def add(self, req_id: str, runs: list[PageRun], nbytes: int = 0, start: float = 0.0) -> None:
+        """One part's runs of `req_id` (`nbytes` of its message, read at `start`); FrameError
+        (nothing kept of this part) if a layer came before or under another page kind."""
+        held = self._held.get(req_id)
+        if held is None:
+            held = self._held[req_id] = _Held(start=start)
         _claim(held, req_id, runs)
         held.runs += runs
         held.parts += 1
+        held.nbytes += nbytes
 
-    def finish(self, req_id: str, parts: int, runs: list[PageRun]) -> list[PageRun]:
+    def finish(self, req_id: str, parts: int, runs: list[PageRun]) -> Streamed:
         """The request's last entry: its `runs` and the `parts` it says went before -> every run
-        of the request, in layer order. FrameError if the count or a layer disagrees; the request
-        is forgotten either way."""
+        of the request, in layer order (and what its parts weighed). FrameError if the count or a
+        layer disagrees; the request is forgotten either way."""
         held = self._held.pop(req_id, None)
         if held is None:
             if parts:
                 raise FrameError(f"{req_id!r}: its last entry counts {parts} part(s) before it, none arrived")
-            return runs
+            return Streamed(runs, 0, None)
         if held.parts != parts:
             raise FrameError(f"{req_id!r}: its last entry counts {parts} part(s) before it, {held.parts} arrived")
         _claim(held, req_id, runs)
-        return sorted(held.runs + runs, key=lambda r: (r.layers[0], r.name))
+        return Streamed(sorted(held.runs + runs, key=lambda r: (r.layers[0], r.name)), held.nbytes, held.start)
 
     def drop(self, req_id: str) -> bool:
         """Forget `req_id`'s parts (failed, aborted, expired); whether any were held."""

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -163,7 +163,10 @@ class ZmqConnector(StreamingConnector):
 
     # ------------------------------------------------------------------------------- send
 
-    def send_layers(self, ticket: Ticket, layers: Sequence[LayerPages]) -> None:
+    def send_layers(self, ticket: Ticket, layers: Sequence[LayerPages], ready: Any = None, last: bool = False) -> None:
+        # NOTE: `last` changes nothing here: every piece leaves at once
+        if ready is not None:
+            raise ValueError("the ZMQ connector streams host pages, complete when handed over: no ready event")
         stream = self._stream(ticket)
         if stream.final:
             raise ValueError(f"{ticket.req_id!r}: layers sent after its final send")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -41,10 +42,25 @@ class Recorder(Connector):
 
 
 class StreamingRecorder(Recorder, StreamingConnector):
-    def send_layers(self, ticket: Ticket, layers: Sequence[LayerPages]) -> None:
+    def send_layers(self, ticket: Ticket, layers: Sequence[LayerPages], ready: Any = None, last: bool = False) -> None:
         if ticket.expired():
             raise ValueError(f"the reservation of {ticket.req_id!r} expired")
         self.log.append(("layers", ticket.req_id, [p.layer_idx for p in layers]))
+        self.readies.append(ready)
+
+    readies: list[Any]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.readies = []
+
+
+class DeviceRecorder(StreamingRecorder):
+    """A connector that takes device pages with their ready event (as NCCL does)."""
+
+    @property
+    def device_pages(self) -> bool:
+        return True
 
 
 def page(i: int) -> LayerPages:
@@ -116,3 +132,27 @@ def test_cancel_forgets_and_aborts() -> None:
     sink.cancel("c")
     assert conn.log == [("abort", "c", [])] and sink.num_waiting == 0
     sink.expect(ticket("c"))  # the ticket left with the cancel: the id may be used again
+
+
+def test_device_pages_pass_their_ready_event_on_even_when_held_for_the_ticket() -> None:
+    """The exporter's events stand for device copies still running: every layer must reach the
+    connector with the latest event recorded after it, also when it waited here for its ticket,
+    and a request finished before its ticket sends its held layers with their event first."""
+    assert not ConnectorSink(StreamingRecorder()).device_pages
+    conn = DeviceRecorder()
+    sink = ConnectorSink(conn)
+    assert sink.device_pages
+    e0, e1, e2 = object(), object(), object()
+    sink.send_layers("a", [page(0)], e0)
+    sink.send_layers("a", [page(1)], e1)  # held: no ticket yet
+    sink.expect(ticket("a"))
+    sink.send_layers("a", [page(2)], e2)
+    sink.finish(state("a"))
+    assert conn.log == [("layers", "a", [0, 1]), ("layers", "a", [2]), ("send", "a", [])]
+    assert conn.readies == [e1, e2]
+    sink.send_layers("b", [page(0)], e0)
+    sink.finish(state("b"))  # before its ticket: waits here, layers and event with it
+    assert sink.num_waiting == 1
+    sink.expect(ticket("b"))
+    assert conn.log[3:] == [("layers", "b", [0]), ("send", "b", [])] and conn.readies[2:] == [e0]
+    assert sink.num_waiting == 0

@@ -42,7 +42,8 @@ class RecordingSink:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, Any]] = []
 
-    def send_layers(self, req_id: str, layers: list[LayerPages]) -> None:
+    def send_layers(self, req_id: str, layers: list[LayerPages], ready: Any = None, last: bool = False) -> None:
+        assert ready is None, "a host sink gets host pages, complete when handed over"
         self.calls.append(("layers", req_id, layers))
 
     def finish(self, request: RequestState) -> None:
@@ -58,6 +59,23 @@ class RecordingSink:
         (state,) = [c[2] for c in self.calls if c[:2] == ("finish", req_id)]
         layers = {p.layer_idx: p for c in self.calls if c[:2] == ("layers", req_id) for p in c[2]}
         return StatePages(state, dict(sorted(layers.items())))
+
+
+class DeviceRecordingSink(RecordingSink):
+    """A sink that takes device pages with their ready event, as the NCCL connector does."""
+
+    device_pages = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.readies: list[torch.cuda.Event] = []
+        self.lasts: dict[str, list[bool]] = {}
+
+    def send_layers(self, req_id: str, layers: list[LayerPages], ready: Any = None, last: bool = False) -> None:
+        assert isinstance(ready, torch.cuda.Event), "device pages come with the event they are complete after"
+        self.readies.append(ready)
+        self.lasts.setdefault(req_id, []).append(last)
+        self.calls.append(("layers", req_id, layers))
 
 
 def prefill_streaming(src: Engine, prompts: dict[str, list[int]], params: SamplingParams) -> None:
@@ -102,6 +120,46 @@ def test_streamed_pages_equal_a_whole_export(name: str, device: str, hf_checkpoi
         mine = [(kind, payload) for kind, r, payload in sink.calls if r == rid]
         assert [q.layer_idx for k, p in mine if k == "layers" for q in p] == cache_layers
         assert [k for k, _ in mine][-1] == "finish" and [k for k, _ in mine].count("finish") == 1
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", MODELS)
+def test_graph_prefill_streams_device_pages_behind_its_layer_events(name: str, hf_checkpoint: Any) -> None:
+    """A device sink lets a streaming step run in its prefill CUDA graph: each layer's copies wait
+    on the event the graph records after it (no host wait), and the pages equal those the same
+    graph steps give a whole-request export."""
+    path, _ = hf_checkpoint(name)
+    params = params_for("seeded")
+    prompts = dict(zip(["a", "b", "c"], random_prompts(VOCAB, [37, 5, 22], seed=3), strict=True))
+
+    def graph_engine() -> Engine:
+        return LLM(model=str(path), device="cuda", max_num_seqs=8, max_num_batched_tokens=24, block_size=4,
+                   num_kv_blocks=64, gpu_memory_utilization=0.2).engine
+
+    ref, ref_sink = graph_engine(), RecordingSink()
+    ref.stream_prefills_to(ref_sink, per_layer=False)
+    prefill_streaming(ref, prompts, params)
+    whole = {rid: pages for kind, rid, pages in ref_sink.calls if kind == "finish_pages"}
+    src, sink = graph_engine(), DeviceRecordingSink()
+    exporter = src.stream_prefills_to(sink)
+    pg = src.runner.prefill_graphs
+    assert exporter.gated and pg is not None and pg.layer_events
+    replays = pg.replays
+    prefill_streaming(src, prompts, params)
+    assert pg.replays > replays  # the streaming steps ran in graphs
+    torch.cuda.synchronize()  # every copy behind its event has run (finish waited for them too)
+    assert_clean(src)
+    assert len(sink.readies) == sum(1 for c in sink.calls if c[0] == "layers")
+    for rid in prompts:
+        assert sink.lasts[rid][-1] and not any(sink.lasts[rid][:-1])  # its last layers say so, once
+        got = sink.pages(rid)
+        assert got.request == whole[rid].request
+        assert sorted(got.layers) == sorted(whole[rid].layers) == sorted(exporter.cache_layers)
+        for idx, page in whole[rid].layers.items():
+            for tname, t in page.tensors.items():
+                other = got.layers[idx].tensors[tname]
+                assert other.device.type == "cuda" and other.dtype == t.dtype
+                assert torch.equal(other.view(torch.uint8), t.view(torch.uint8)), (rid, idx, tname)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])

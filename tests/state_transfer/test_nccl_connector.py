@@ -196,14 +196,14 @@ def test_64_requests_in_flight_arrive_exact_and_nothing_leaks(window: str, monke
     messages: set[int] = set()
     finish = NcclReceiver._finish
 
-    def spy(self: NcclReceiver, item: Any) -> Any:
+    def spy(self: NcclReceiver, item: Any, until: float | None = None) -> Any:
         if item.control.kind == "data" and not slept:
             slept.append(True)
             time.sleep(1.0)  # the sender posts all 64 without waiting for us: they are there after this
         if item.control.kind == "data":
             messages.add(id(item))
         posted.append((self._posted_bytes(), self.in_flight))
-        return finish(self, item)
+        return finish(self, item, until)
 
     monkeypatch.setattr(NcclReceiver, "_finish", spy)
     one = pack(make_pages("x", torch.float32, 0), torch.device("cpu"))[0].numel()  # a request's p2p bytes

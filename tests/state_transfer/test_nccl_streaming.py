@@ -52,6 +52,8 @@ def _streams_and_whole(tx: NcclConnector) -> None:
     _stream(tx, "s3", 14, torch.float32, [[1]])
     assert tx.flush(10.0)
     assert tx.get_finished()[0] == {"s1", "whole", "s2", "s3"} and tx.get_failed() == {}
+    sent = tx.get_stats()  # every part's bytes count: s2's last entry has none of its own
+    assert sent["s2"].nbytes >= make_pages("s2", torch.bfloat16, 13).nbytes() > 0
 
 
 def test_streamed_requests_arrive_bit_exact_beside_whole_ones(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -78,6 +80,11 @@ def test_streamed_requests_arrive_bit_exact_beside_whole_ones(monkeypatch: pytes
         # the first part found the link idle; everything after it was coalesced (gloo: until the flush)
         assert entries == [["part"], ["part", "last", "last", "part", "last", "last"]], entries
         assert len(rx._rx._streamed) == 0  # type: ignore[union-attr]
+        # a streamed request's stats count every part's bytes, not only its last entry's
+        stats = rx.get_stats()
+        for req_id, seed, dtype in (("s1", 11, torch.float32), ("whole", 12, torch.bfloat16),
+                                    ("s2", 13, torch.bfloat16), ("s3", 14, torch.float32)):
+            assert stats[req_id].nbytes >= make_pages(req_id, dtype, seed).nbytes() > 0, req_id
     assert len(table) == 0
 
 
