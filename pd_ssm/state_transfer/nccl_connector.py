@@ -25,13 +25,15 @@ the buffer out with its sums trailer and posts the p2p send, never waiting for t
 (and those of the messages behind it, up to `recv_window` bytes, while it checks one), parsing a
 message's request frames and run headers while its bytes travel (nccl_inbound.py). Both channels
 are FIFO between the two peers, so the k-th data message of a generation describes its k-th p2p
-message. By default a request leaves whole, after the prefill forward: the link moves a 2.7B
-request in ~0.5 ms, against ~26 ms for the prefill in CUDA graphs, which a per-layer hook rules
-out. With `NcclConfig.stream_layers` it streams instead (`send_layers`): layers go as parts of
+message. By default a request leaves whole, after the prefill forward (the link moves a 2.7B
+request in ~0.5 ms, against ~26 ms for the prefill in CUDA graphs). With
+`NcclConfig.stream_layers` it streams instead (`send_layers`): layers go as parts of
 ~`stream_bytes` while the forward runs (entries without a request frame, coalesced as requests
 are), the receiver checks and holds them, and the request's last entry brings the rest and the
 count of parts before it; it is handed out only then, with every layer checked once
-(nccl_streamed.py).
+(nccl_streamed.py). From a graph prefill the layers are device snapshots with a `ready` event:
+their part's metadata leaves at once and its layout and send wait on the device (nccl_sender.py),
+so the receiver may hold a posted recv for up to a prefill step (a poll does not wait for it).
 
 Pairing and recovery (the design of issue 4's "a peer dies mid-transfer"):
   - The receiver hosts the rendezvous store (`rendezvous`, "tcp://host:0" for a free port) and
