@@ -10,9 +10,10 @@ over-commits), then `import_reserved` writes the pages into exactly that place, 
 its pages go to a sink layer by layer during the step's forward, then its state with the first
 token, and its slot is freed.
 
-On CUDA the engine sizes its pools from `gpu_memory_utilization` after loading the weights and
-profiling a step (memory_plan.py), and captures CUDA graphs for decode-only steps unless
-`enforce_eager` (cuda_graphs.py); on the CPU the pools keep CacheConfig's sizes and every step
+The engine's parts are built in build.py: on CUDA it sizes its pools from
+`gpu_memory_utilization` after loading the weights and profiling a step (memory_plan.py), and
+captures CUDA graphs for decode-only and prefill-only steps unless `enforce_eager`
+(cuda_graphs.py, prefill_graphs.py); on the CPU the pools keep CacheConfig's sizes and every step
 runs eagerly.
 
 With async scheduling (on by default on CUDA, inflight.py) a decode-only step is launched before
@@ -23,49 +24,24 @@ until every launched step has been read.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 from typing import NamedTuple
 
-import torch
-
-from pd_ssm.cache.manager import CacheManager
 from pd_ssm.cache.pages import RequestState, StatePages, export_pages, import_pages
-from pd_ssm.cache.pool import CachePool
-from pd_ssm.config import EngineConfig, ModelConfig
-from pd_ssm.engine.cuda_graphs import DecodeGraphs, capture_sizes, check_capturable, table_width
-from pd_ssm.engine.decode_manager import DecodeManager
+from pd_ssm.config import EngineConfig
+from pd_ssm.engine.build import build_parts
 from pd_ssm.engine.device_sample import SamplerOutput
 from pd_ssm.engine.inflight import InflightStep, launch_ahead_ok
 from pd_ssm.engine.layer_export import LayerExporter, PageSink
-from pd_ssm.engine.memory_plan import (
-    CachePlan,
-    MemorySnapshot,
-    kv_block_bytes,
-    plan_pools,
-    profile_memory,
-    state_slot_bytes,
-)
 from pd_ssm.engine.output_processor import OutputProcessor
-from pd_ssm.engine.prefill_graphs import PrefillGraphs, prefill_buckets
-from pd_ssm.engine.prefill_manager import PrefillManager
 from pd_ssm.engine.request import Request, Status
-from pd_ssm.engine.runner import ModelRunner
 from pd_ssm.engine.sampler import make_seed
-from pd_ssm.engine.scheduler import Scheduler
-from pd_ssm.engine.tokenizer import Tokenizer, load_tokenizer
-from pd_ssm.kernels.dispatch import get_kernels
-from pd_ssm.models.loader import load_model
 from pd_ssm.outputs import RequestOutput
 from pd_ssm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-# Pure SSM models have no positional limit; this bounds max_tokens=None all the same.
-_UNBOUNDED_LEN = 1 << 20
 
 
 class RequestError(ValueError):
@@ -82,73 +58,12 @@ class Reservation(NamedTuple):
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = torch.device(config.device)
-        self.model_config = ModelConfig.from_pretrained(config.model)
-        mc = self.model_config
-        self.dtype = config.resolve_dtype(mc)
-        self.kernels = get_kernels(config.kernel_backend, self.device)  # type: ignore[arg-type]
-        use_graphs = config.use_cuda_graphs
-        if use_graphs:
-            check_capturable(self.kernels, mc)
-        start = MemorySnapshot.take(self.device) if self.device.type == "cuda" else None
-        self.model = load_model(
-            config.model,
-            device=self.device,
-            dtype=self.dtype,
-            kernels=self.kernels,
-            load_format=config.load_format,
-            seed=config.seed,
-        )
-        uses_kv = bool(mc.attention_layer_ids)
-        declared = config.scheduler.max_model_len or mc.max_position_embeddings or _UNBOUNDED_LEN
-        graph_sizes = capture_sizes(config.scheduler.max_num_seqs) if use_graphs else []
-        # NOTE: prefill graphs need kernels that never read device values on the host (Triton's)
-        prefill_shapes = (
-            prefill_buckets(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
-            if use_graphs and config.prefill_cuda_graphs and self.kernels.backend == "triton" else None
-        )
-        cc = config.cache
-        self.memory_plan: CachePlan | None = None
-        if start is not None:  # CUDA: the pools take what gpu_memory_utilization leaves
-            self.memory_plan = self._plan_pools(start, declared, graph_sizes, prefill_shapes is not None)
-            log.info(self.memory_plan.describe())
-            cc = dataclasses.replace(
-                cc, num_state_slots=self.memory_plan.num_state_slots, num_kv_blocks=self.memory_plan.num_kv_blocks
-            )
-        # NOTE: with CUDA graphs the pool has one slot past the manager's: the scratch slot that
-        # padded graph rows write into, never handed out
-        scratch = 1 if use_graphs else 0
-        self.pool = CachePool(
-            mc, dataclasses.replace(cc, num_state_slots=cc.num_state_slots + scratch), self.device, self.dtype
-        )
-        self.cache = CacheManager(cc.num_state_slots, cc.num_kv_blocks, cc.block_size, uses_kv)
-        kv_tokens = cc.num_kv_blocks * cc.block_size if uses_kv else declared
-        self.max_model_len = min(declared, kv_tokens)
-        self.scheduler = Scheduler(
-            config.scheduler,
-            self.cache,
-            PrefillManager(self.cache, config.scheduler.enable_chunked_prefill),
-            DecodeManager(self.cache),
-        )
-        self.runner = ModelRunner(self.model, self.pool, self.cache, self.device)
-        if use_graphs:
-            self.runner.graphs = DecodeGraphs(
-                self.model, self.pool, sizes=graph_sizes, scratch_slot=cc.num_state_slots,
-                width=table_width(self.max_model_len, cc.block_size, uses_kv),
-            )
-            log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(graph_sizes), graph_sizes,
-                     self.runner.graphs.capture_seconds)
-        if prefill_shapes is not None:
-            self.runner.prefill_graphs = PrefillGraphs(
-                self.model, self.pool, buckets=prefill_shapes,
-                scratch_slot=cc.num_state_slots, width=table_width(self.max_model_len, cc.block_size, uses_kv),
-            )
-            log.info("captured %d prefill CUDA graphs (tokens, sequences: %s) in %.1f s", len(prefill_shapes),
-                     prefill_shapes, self.runner.prefill_graphs.capture_seconds)
-        self.tokenizer: Tokenizer = load_tokenizer(
-            Path(config.model), vocab_size=mc.vocab_size, eos_token_ids=mc.eos_token_ids, bos_token_id=mc.bos_token_id
-        )
-        self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
+        parts = build_parts(config)  # build.py: model, pools, scheduler, runner and graphs
+        self.device, self.model_config, self.dtype = parts.device, parts.model_config, parts.dtype
+        self.kernels, self.model, self.memory_plan = parts.kernels, parts.model, parts.memory_plan
+        self.pool, self.cache, self.max_model_len = parts.pool, parts.cache, parts.max_model_len
+        self.scheduler, self.runner, self.tokenizer = parts.scheduler, parts.runner, parts.tokenizer
+        self.outputs = OutputProcessor(self.tokenizer, self.model_config.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         # NOTE: request id -> tokens reserved for it; these hold cache but are not in `requests`
         # (nor in the scheduler) until `import_reserved`
@@ -160,31 +75,6 @@ class Engine:
         self._inflight: InflightStep | None = None  # launched, its tokens not read yet
         # outputs of a step read outside step() (export_request), handed out by the next step()
         self._undelivered: list[RequestOutput] = []
-
-    def _plan_pools(
-        self, start: MemorySnapshot, declared_len: int, graph_sizes: list[int], prefill_graphs: bool
-    ) -> CachePlan:
-        """Profile the steps this engine will run, then size the pools from what is left."""
-        mc, cc, sc = self.model_config, self.config.cache, self.config.scheduler
-        uses_kv = bool(mc.attention_layer_ids)
-        profile = profile_memory(
-            self.model, cc, self.dtype, start,
-            num_tokens=min(sc.max_num_batched_tokens, declared_len),
-            num_sampled_rows=sc.max_num_seqs,
-            graph_size=graph_sizes[-1] if graph_sizes else 0,
-            graph_width=table_width(declared_len, cc.block_size, uses_kv),
-            prefill_graphs=prefill_graphs,
-        )
-        return plan_pools(
-            profile,
-            utilization=self.config.gpu_memory_utilization,
-            num_slots=sc.max_num_seqs,
-            num_scratch=1 if graph_sizes else 0,
-            slot_bytes=state_slot_bytes(mc, cc, self.dtype),
-            block_bytes=kv_block_bytes(mc, cc, self.dtype),
-            uses_kv=uses_kv,
-            max_useful_blocks=sc.max_num_seqs * -(-declared_len // cc.block_size),
-        )
 
     # --- requests ------------------------------------------------------------------------
     def add_request(
