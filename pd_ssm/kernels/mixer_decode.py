@@ -105,25 +105,32 @@ def mamba2_decode_step_ref(
     d_inner, conv_dim, H = check_mixer_decode_args(proj, conv_state, conv_weight, ssm_state, norm_weight, ngroups)
     Bt, P, N = proj.shape[0], ssm_state.shape[2], ssm_state.shape[3]
     live = state_indices >= 0  # [B]
-    # NOTE: padding rows run on a live slot's copy, never written back (the references have no
-    # padding rule of their own)
-    rows = live.nonzero().squeeze(1)  # [B'] (host sync: the reference is not graph-captured)
-    z, raw, dt = proj[rows].split([d_inner, conv_dim, H], dim=-1)
-    slots = state_indices[rows]
+    # NOTE: no host sync (no nonzero): the reference runs inside CUDA graphs on kernel_backend='torch'.
+    # Every row runs on a gathered copy of its slot's states (padding rows on slot 0's); then each
+    # row writes back, and a padding row writes what the first live row writes, to the same slot
+    # (one value per slot, whatever order the writes land in), or, with no live row, slot 0's own
+    # state: nothing changes but the live rows' slots
+    rows = torch.arange(Bt, dtype=torch.int32, device=proj.device)  # [B]
+    slots = torch.where(live, state_indices, 0).long()  # [B]
+    conv_rows, ssm_rows = conv_state[slots], ssm_state[slots]  # [B, conv_dim, width-1], [B, H, P, N]
+    z, raw, dt = proj.split([d_inner, conv_dim, H], dim=-1)
+    ran_conv = xbc is None  # else the caller's conv updated the conv states already
     if xbc is None:
-        xbc = causal_conv1d_update_ref(raw, conv_state, conv_weight, conv_bias, state_indices=slots)
-    else:
-        xbc = xbc[rows]
+        xbc = causal_conv1d_update_ref(raw, conv_rows, conv_weight, conv_bias, state_indices=rows)
     x, B, C = xbc.split([d_inner, ngroups * N, ngroups * N], dim=-1)
-    n = rows.shape[0]
     y = selective_state_update_ref(
-        ssm_state, x.reshape(n, H, P), dt, A, B.reshape(n, ngroups, N), C.reshape(n, ngroups, N),
-        state_indices=slots, D=D, dt_bias=dt_bias, dt_softplus=True,
+        ssm_rows, x.reshape(Bt, H, P), dt, A, B.reshape(Bt, ngroups, N), C.reshape(Bt, ngroups, N),
+        state_indices=rows, D=D, dt_bias=dt_bias, dt_softplus=True,
     )
-    gated = rms_norm_gated_squares_ref(y.reshape(n, d_inner), z.contiguous(), norm_weight)
-    g = torch.zeros((Bt, d_inner), dtype=proj.dtype, device=proj.device)  # [B, d_inner]
-    sq = torch.zeros((Bt, 1), dtype=torch.float32, device=proj.device)  # [B, 1]
-    g[rows], sq[rows] = gated.g, gated.sq
+    src = torch.where(live, rows.long(), torch.argmax(live.to(torch.int32)))  # [B] the row whose states each row writes
+    dst = slots[src]
+    some = live.any()
+    if ran_conv:
+        conv_state[dst] = torch.where(some, conv_rows[src], conv_state[dst])
+    ssm_state[dst] = torch.where(some, ssm_rows[src], ssm_state[dst])
+    gated = rms_norm_gated_squares_ref(y.reshape(Bt, d_inner), z.contiguous(), norm_weight)
+    g = torch.where(live[:, None], gated.g, 0).to(proj.dtype)  # [B, d_inner]
+    sq = torch.where(live[:, None], gated.sq, 0).to(torch.float32)  # [B, K]
     return GatedSquares(g, sq)
 
 

@@ -138,6 +138,30 @@ def test_padding_rows_touch_nothing_and_a_bf16_state_pool() -> None:
     assert rel_l2(ssm, ssm_ref) < BF16_REL_L2
 
 
+def test_reference_padding_beside_slot_0_and_all_padding() -> None:
+    """The reference handles padding without a host sync (it runs in CUDA graphs on
+    kernel_backend='torch'): a padding row beside a live row of slot 0 leaves that row's update as
+    it is alone, and a step of padding only changes no state."""
+    c = Case(4, 6, 12, 2, Bt=4, slots_n=5, dtype=torch.float32, state_dtype=torch.float32, seed=8)
+    slots = torch.tensor([0, -1, 3, -1], dtype=torch.int32, device=DEV)
+    (g, sq), conv, ssm = c.run(mamba2_decode_step_ref, slots)
+    for live in (0, 2):  # each live row alone: the same update, the same outputs
+        one = Case(4, 6, 12, 2, Bt=4, slots_n=5, dtype=torch.float32, state_dtype=torch.float32, seed=8)
+        one.proj = c.proj[live : live + 1]
+        (g1, sq1), conv1, ssm1 = one.run(mamba2_decode_step_ref, slots[live : live + 1])
+        slot = int(slots[live])
+        assert torch.equal(conv[slot], conv1[slot])
+        # NOTE: not to the bit: the batched matmul of 4 rows and of 1 may round differently
+        for a, b in ((ssm[slot], ssm1[slot]), (g[live], g1[0]), (sq[live], sq1[0])):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert not g[1].any() and not g[3].any() and not sq[1].any() and not sq[3].any()
+    for s in (1, 2, 4):
+        assert torch.equal(conv[s], c.conv_state[s]) and torch.equal(ssm[s], c.ssm_state[s])
+    none = torch.full((4,), -1, dtype=torch.int32, device=DEV)
+    (g, sq), conv, ssm = c.run(mamba2_decode_step_ref, none)
+    assert torch.equal(conv, c.conv_state) and torch.equal(ssm, c.ssm_state) and not g.any() and not sq.any()
+
+
 def test_inconsistent_shapes_are_errors() -> None:
     c = Case(4, 6, 12, 2, Bt=2, slots_n=5, dtype=torch.float32, state_dtype=torch.float32, seed=5)
     conv, ssm = c.pools()
