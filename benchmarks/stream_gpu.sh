@@ -5,12 +5,8 @@
 # 2048-token 2.7B prefill streamed over NCCL, cuda:0 -> cuda:1; the NCCL rows), and
 # `pd-ssm serve --disagg` streaming over NCCL (every answer equal to a colocated engine's).
 # Results: $OUT/results.tgz; a summary on stdout.
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-OUT=${OUT:-/tmp/out}; R=/tmp/res; mkdir -p "$OUT" "$R"
-pack() { tar czf "$OUT/results.tgz" -C "$R" .; }
-python3 -m pip install -q --no-index --find-links third_party/wheels pyzmq fastapi uvicorn openai prometheus_client \
-  2>&1 | tail -2
+# shellcheck source=benchmarks/device_results.sh
+source benchmarks/device_results.sh
 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/state_transfer/test_engine_streaming.py \
   tests/state_transfer/test_nccl_streaming.py tests/state_transfer/test_connector_sink.py \
   tests/state_transfer/test_nccl_gpu_check.py tests/engine/test_prefill_graphs.py \

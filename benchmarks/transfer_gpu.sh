@@ -8,14 +8,8 @@
 # Results: $OUT/results.tgz (every log and JSON); a summary on stdout.
 # SKIP_PROFILE=1 leaves out the stream profile; BENCH_ROUNDS=N (default 1) runs the NCCL and ZMQ
 # benches N times, to see how far the host-bound ratios move between rounds of one call.
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-OUT=${OUT:-/tmp/out}; R=/tmp/res; mkdir -p "$OUT" "$R"
-# NOTE: the tarball is rewritten after every step, so a call cut short by its time limit still
-# brings back what finished
-pack() { tar czf "$OUT/results.tgz" -C "$R" .; }
-python3 -m pip install -q --no-index --find-links third_party/wheels pyzmq fastapi uvicorn openai prometheus_client \
-  2>&1 | tail -2
+# shellcheck source=benchmarks/device_results.sh
+source benchmarks/device_results.sh
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv > "$R/gpu.txt"
 
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/state_transfer/test_engine_streaming.py \
