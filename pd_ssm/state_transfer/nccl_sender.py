@@ -177,9 +177,11 @@ class NcclSender:
     def _link_busy(self) -> bool:
         """Whether an earlier message is still on its way ((NCCL) its p2p send not completed).
         Gloo cannot tell: any send posted and not flushed counts as busy."""
-        if not self._pending or self._group is None:
+        if self._group is None:
             return False
-        return self._group.done(self._pending[-1].work) is not True
+        # NOTE: a message without bytes posts no send (`_dispatch`); the last send posted says
+        sends = [out.work for out in self._pending if out.work is not None]
+        return bool(sends) and self._group.done(sends[-1]) is not True
 
     def _post(self, held: list[Queued]) -> None:
         """Post `held` as ONE data message."""
@@ -220,9 +222,11 @@ class NcclSender:
             except RuntimeError as e:  # out of device memory: the receiver waits for bytes that cannot come
                 self.lose_peer(f"cannot lay out a {sum(out.sizes)}-byte message: {str(e).splitlines()[0][:200]}")
                 return
-            if buf.numel() == 0:
-                self._pending.pop()
-                self._complete(out)
+            if buf.numel() == 0:  # nothing to send (a streamed request whose layers all went as parts)
+                # NOTE: it completes in order, after the sends before it: its request's parts
+                if len(self._pending) == 1:
+                    self._pending.pop()
+                    self._complete(out)
                 return
             try:
                 out.work = self._group.isend(buf)  # NOTE: NCCL orders it after the current stream's work
@@ -273,6 +277,9 @@ class NcclSender:
         self._check_dropped()
         while self._pending and self._group is not None:
             out = self._pending[0]
+            if out.work is None:  # no bytes of its own: done once those before it are
+                self._complete(self._pending.popleft())
+                continue
             why = self._group.wait(out.work, end - time.monotonic())
             if why is not None:
                 self.lose_peer(f"p2p send failed: {why}")
@@ -293,6 +300,9 @@ class NcclSender:
             self._check_dropped()
         while self._pending and self._group is not None:
             out = self._pending[0]
+            if out.work is None:  # no bytes of its own: done once those before it are
+                self._complete(self._pending.popleft())
+                continue
             if not self._group.done(out.work):
                 if time.monotonic() - out.starts[-1] > self.config.timeout:
                     self.lose_peer(f"p2p send not completed within {self.config.timeout} s")
