@@ -106,10 +106,7 @@ class ConnectorSink:
 
     def _stream(self, ticket: Ticket, layers: list[LayerPages], ready: Any = None, last: bool = False) -> None:
         assert isinstance(self.connector, StreamingConnector)
-        if ready is None and not last:
-            self.connector.send_layers(ticket, layers)
-        else:
-            self.connector.send_layers(ticket, layers, ready=ready, last=last)
+        self.connector.send_layers(ticket, layers, ready=ready, last=last)
 
     def _guard(self, req_id: str, send: Callable[[], None]) -> None:
         try:
