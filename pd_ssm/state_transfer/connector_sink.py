@@ -34,6 +34,7 @@ class ConnectorSink:
         self._tickets: dict[str, Ticket] = {}
         self._held: dict[str, list[LayerPages]] = {}  # layers not handed to the connector yet
         self._ready: dict[str, Any] = {}  # device_pages: the latest `ready` of each request's held layers
+        self._complete: set[str] = set()  # requests whose held layers include their last (`last`)
         self._done: dict[str, StatePages] = {}  # finished before their ticket came
         self._failed: dict[str, str] = {}  # reported by take_failed
         self._dead: set[str] = set()  # failed: their later pieces are dropped until finish / cancel
@@ -45,8 +46,9 @@ class ConnectorSink:
             raise ValueError(f"request {req_id!r} already has a ticket (slot {self._tickets[req_id].slot})")
         self._tickets[req_id] = ticket
         if self.streams and self._held.get(req_id):
-            ready = self._ready.pop(req_id, None)
-            self._guard(req_id, lambda: self._stream(ticket, self._held.pop(req_id), ready))
+            ready, last = self._ready.pop(req_id, None), req_id in self._complete
+            self._complete.discard(req_id)
+            self._guard(req_id, lambda: self._stream(ticket, self._held.pop(req_id), ready, last))
         pages = self._done.pop(req_id, None)
         if pages is not None:
             self.finish_pages(pages)
@@ -59,6 +61,8 @@ class ConnectorSink:
             self._held.setdefault(req_id, []).extend(layers)
             if ready is not None:
                 self._ready[req_id] = ready
+            if last:
+                self._complete.add(req_id)
             return
         self._guard(req_id, lambda: self._stream(ticket, layers, ready, last))
 
@@ -79,6 +83,7 @@ class ConnectorSink:
         del self._tickets[req_id]
         held = self._held.pop(req_id, None)
         ready = self._ready.pop(req_id, None)
+        self._complete.discard(req_id)
         if held and ready is not None:  # device pages held for the ticket: they go with their event
             self._guard(req_id, lambda: self._stream(ticket, held, ready))
             if req_id in self._dead:
@@ -121,4 +126,5 @@ class ConnectorSink:
         self._tickets.pop(req_id, None)
         self._held.pop(req_id, None)
         self._ready.pop(req_id, None)
+        self._complete.discard(req_id)
         self._done.pop(req_id, None)

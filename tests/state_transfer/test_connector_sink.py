@@ -47,12 +47,15 @@ class StreamingRecorder(Recorder, StreamingConnector):
             raise ValueError(f"the reservation of {ticket.req_id!r} expired")
         self.log.append(("layers", ticket.req_id, [p.layer_idx for p in layers]))
         self.readies.append(ready)
+        self.lasts.append(last)
 
     readies: list[Any]
+    lasts: list[bool]
 
     def __init__(self) -> None:
         super().__init__()
         self.readies = []
+        self.lasts = []
 
 
 class DeviceRecorder(StreamingRecorder):
@@ -146,13 +149,19 @@ def test_device_pages_pass_their_ready_event_on_even_when_held_for_the_ticket() 
     sink.send_layers("a", [page(0)], e0)
     sink.send_layers("a", [page(1)], e1)  # held: no ticket yet
     sink.expect(ticket("a"))
-    sink.send_layers("a", [page(2)], e2)
+    sink.send_layers("a", [page(2)], e2, last=True)
     sink.finish(state("a"))
     assert conn.log == [("layers", "a", [0, 1]), ("layers", "a", [2]), ("send", "a", [])]
-    assert conn.readies == [e1, e2]
+    assert conn.readies == [e1, e2] and conn.lasts == [False, True]
     sink.send_layers("b", [page(0)], e0)
     sink.finish(state("b"))  # before its ticket: waits here, layers and event with it
     assert sink.num_waiting == 1
     sink.expect(ticket("b"))
     assert conn.log[3:] == [("layers", "b", [0]), ("send", "b", [])] and conn.readies[2:] == [e0]
     assert sink.num_waiting == 0
+    conn = DeviceRecorder()
+    sink = ConnectorSink(conn)
+    sink.send_layers("c", [page(0), page(1)], e0, last=True)  # all its layers before its ticket
+    sink.expect(ticket("c"))  # they still go as its last layers: its final send carries none
+    sink.finish(state("c"))
+    assert conn.log == [("layers", "c", [0, 1]), ("send", "c", [])] and conn.lasts == [True]
