@@ -180,8 +180,8 @@ class NcclSender:
         if self._group is None:
             return False
         # NOTE: a message without bytes posts no send (`_dispatch`); the last send posted says
-        sends = [out.work for out in self._pending if out.work is not None]
-        return bool(sends) and self._group.done(sends[-1]) is not True
+        last = next((out.work for out in reversed(self._pending) if out.work is not None), None)
+        return last is not None and self._group.done(last) is not True
 
     def _post(self, held: list[Queued]) -> None:
         """Post `held` as ONE data message."""
