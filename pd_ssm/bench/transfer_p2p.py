@@ -13,9 +13,10 @@ synchronized):
              posts the next recv while it checks one, so fixed per-message costs are shared and
              overlap the link; GB/s counts all their bytes
   streamed   the same `in_flight` requests streamed layer by layer, as a streaming prefill worker
-             hands them over: `send_layers` once per layer (the connector sends parts of
-             `stream_bytes`), then the final `send` with no layer left -- the link's rate when
-             every request travels in parts (no compute in between: what the parts cost)
+             hands them over: `send_layers` once per layer, then the final `send` with no layer
+             left (the connector sends parts of `stream_bytes`, larger while the hosts are behind:
+             `NcclConfig.part_hold`) -- the link's rate when requests are handed over layer by
+             layer with no compute in between (what the per-layer hand-over costs)
 
 The first connector run is checked byte for byte against the pages the sender made.
 """

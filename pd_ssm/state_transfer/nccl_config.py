@@ -36,12 +36,20 @@ class NcclConfig:
     # 64 MB parts were no faster in a burst of 8 (RESULTS.md session 7: the per-layer host work
     # dominates there), and what is left after the prefill (at most this much) takes longer
     stream_bytes: int = 32 << 20
+    # sender, streaming: while a data message went less than this many seconds ago, host layers
+    # (no `ready` event) collect up to coalesce_bytes before they make a part: a burst of requests
+    # handed over layer by layer then travels in few, large entries, as whole requests do, where
+    # 32 MB parts left the link waiting on the hosts' per-entry work (RESULTS.md session 10).
+    # Layers a prefill hands over while it computes come milliseconds apart, in stream_bytes parts
+    part_hold: float = 2e-3
     backend: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
         if not self.token:
             raise ValueError("NcclConfig.token is empty: peers authenticate with the shared cluster token")
         split_tcp(self.rendezvous)
+        if self.part_hold < 0:
+            raise ValueError(f"NcclConfig.part_hold must be >= 0 seconds, got {self.part_hold}")
         if min(self.timeout, self.send_timeout, self.recv_window, self.max_message_bytes, self.coalesce_bytes,
                self.stream_bytes) <= 0:
             raise ValueError(

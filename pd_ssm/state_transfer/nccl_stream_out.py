@@ -31,6 +31,7 @@ class _Held:
 class Part(NamedTuple):
     pages: StatePages
     ready: Any  # a device event the part's layers are complete after, or None (host pages)
+    nbytes: int  # its layers' tensor bytes
 
 
 class Finished(NamedTuple):
@@ -39,6 +40,7 @@ class Finished(NamedTuple):
     ready: Any = None  # as Part's, for those layers
     sent: int = 0  # bytes of those parts
     start: float | None = None  # time.monotonic() its first layers came; None: it did not stream
+    nbytes: int = 0  # tensor bytes of `layers`
 
 
 _MAX_BROKEN = 1 << 16  # broken streams remembered: an aborted request's final send may never come
@@ -62,12 +64,13 @@ class StreamOut:
             held = self._held[req_id] = _Held()
         held.layers += layers
         for page in layers:
-            held.nbytes += page.nbytes()
+            for t in page.tensors.values():
+                held.nbytes += t.nbytes
         if ready is not None:
             held.ready = ready
         if held.nbytes < stream_bytes and not (flush and held.layers):
             return None
-        part = Part(StatePages(_carrier(req_id), layers={p.layer_idx: p for p in held.layers}), held.ready)
+        part = Part(StatePages(_carrier(req_id), layers={p.layer_idx: p for p in held.layers}), held.ready, held.nbytes)
         held.sent += held.nbytes
         held.layers, held.nbytes, held.ready = [], 0, None
         held.parts += 1
@@ -82,7 +85,7 @@ class StreamOut:
         held = self._held.pop(req_id, None)
         if held is None:
             return Finished([], 0)
-        return Finished(held.layers, held.parts, held.ready, held.sent, held.start)
+        return Finished(held.layers, held.parts, held.ready, held.sent, held.start, held.nbytes)
 
     def break_(self, req_id: str) -> None:
         """Its stream broke: what is held goes, and its later layers and final send are dropped."""

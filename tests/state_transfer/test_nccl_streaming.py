@@ -14,6 +14,7 @@ import torch
 
 from pd_ssm.cache.pages import LayerPages, StatePages
 from pd_ssm.state_transfer.connector_sink import ConnectorSink
+from pd_ssm.state_transfer.nccl_config import NcclConfig
 from pd_ssm.state_transfer.nccl_connector import NcclConnector
 from pd_ssm.state_transfer.nccl_receiver import NcclReceiver
 from pd_ssm.state_transfer.reservations import ReservationTable
@@ -29,9 +30,10 @@ from tests.state_transfer.test_nccl_connector import (
 )
 
 
-def _streaming(tx: NcclConnector, stream_bytes: int = 1) -> None:
+def _streaming(tx: NcclConnector, stream_bytes: int = 1, part_hold: float = 0.0) -> None:
     tx.config.stream_layers = True
     tx.config.stream_bytes = stream_bytes  # 1: every send_layers call makes a part
+    tx.config.part_hold = part_hold  # 0: however soon after the last message (the burst rule: its own test)
 
 
 def _stream(tx: NcclConnector, req_id: str, seed: int, dtype: torch.dtype, ahead: list[list[int]]) -> None:
@@ -86,6 +88,52 @@ def test_streamed_requests_arrive_bit_exact_beside_whole_ones(monkeypatch: pytes
                                     ("s2", 13, torch.bfloat16), ("s3", 14, torch.float32)):
             assert stats[req_id].nbytes >= make_pages(req_id, dtype, seed).nbytes() > 0, req_id
     assert len(table) == 0
+
+
+def _burst(tx: NcclConnector) -> None:
+    """Three requests handed over layer by layer back to back, under a long part_hold: the first
+    layer leaves at once as a part, every later one collects with its request's final send."""
+    _streaming(tx, part_hold=60.0)
+    for req_id, seed in (("b1", 31), ("b2", 32), ("b3", 33)):
+        pages = make_pages(req_id, torch.float32, seed)
+        for layer in pages.layers.values():
+            tx.send_layers(ticket(tx, req_id), [layer])
+        tx.send(StatePages(pages.request, layers={}), ticket(tx, req_id))
+    assert tx.flush(10.0)
+    assert tx.get_finished()[0] == {"b1", "b2", "b3"} and tx.get_failed() == {}
+
+
+def test_a_burst_of_streamed_layers_travels_in_few_entries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NcclConfig.part_hold: layers handed over right after a message went make no part of their
+    own (each entry costs both hosts a share of work the link then waits for): after the first
+    part, each request goes whole with its final send -- bit-exact, its stats with every byte."""
+    entries: list[list[str]] = []
+    read = NcclReceiver._read
+
+    def spy(self: NcclReceiver, msg: list[bytes]) -> Any:
+        item = read(self, msg)
+        if item is not None and item.control.kind == "data":
+            entries.append(["part" if item.is_part(i) else "last" for i in range(len(item.control.req_ids))])
+        return item
+
+    monkeypatch.setattr(NcclReceiver, "_read", spy)
+    table = ReservationTable(ttl=60.0, token=TOKEN)
+    reserve(table, "b1", "b2", "b3")
+    with pair(table, _burst) as rx:
+        got, failed = collect(rx, 3)
+        assert failed == {} and sorted(got) == ["b1", "b2", "b3"]
+        for req_id, seed in (("b1", 31), ("b2", 32), ("b3", 33)):
+            assert_same(make_pages(req_id, torch.float32, seed), got[req_id])
+        assert [e for m in entries for e in m] == ["part", "last", "last", "last"], entries
+        stats = rx.get_stats()
+        for req_id, seed in (("b1", 31), ("b2", 32), ("b3", 33)):
+            assert stats[req_id].nbytes >= make_pages(req_id, torch.float32, seed).nbytes(), req_id
+    assert len(table) == 0
+
+
+def test_part_hold_is_checked() -> None:
+    with pytest.raises(ValueError, match="part_hold"):
+        NcclConfig(TOKEN, "tcp://127.0.0.1:0", part_hold=-1.0)
 
 
 def _corrupt_part_then_good(tx: NcclConnector) -> None:
