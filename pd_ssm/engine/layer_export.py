@@ -23,9 +23,9 @@ instead, handed over at once with the event that says it is complete (`ready`): 
 own stream waits for it, so neither the hook nor the connector ever waits on the host, and the
 pages never go through host memory. Such a step may run in a prefill CUDA graph: the graph records
 an event after each layer (prefill_graphs.py), and `graph_ran` queues the layers' copies behind
-those events (GRAPH_STAGE_LAYERS at a time) right after the replay is launched, so a graph prefill
-streams as an eager one does. The request's last layers go with `last`, so the connector sends
-them at once rather than with the request's state after sampling.
+those events (GRAPH_STAGE_LAYERS at a time, fewer stages for a short step) right after the replay
+is launched, so a graph prefill streams as an eager one does. The request's last layers go with
+`last`, so the connector sends them at once rather than with the request's state after sampling.
 
 Whole-request sinks (`per_layer=False`: a connector that sends a request in one piece, e.g. the
 NCCL connector) get no hook at all -- the step may then run in a prefill CUDA graph -- and
@@ -53,6 +53,18 @@ from pd_ssm.engine.schedule_types import SchedulerOutput
 # connector makes parts of ~32 MiB (12 layers of 2.7B fp32 pages) anyway: finer gating would only
 # add kernels beside the graph's (each small copy delays the prefill a little)
 GRAPH_STAGE_LAYERS = 8
+# graph_ran: at most one such stage per this many prefill tokens of the step. Each stage costs the
+# host ~0.3-0.5 ms on the H200 machines (snapshots, then a part laid out and posted: RESULTS.md
+# session 10) and a 2.7B prefill ~13 us a token, so a short prompt's graph ends before the host
+# has handed over 8 stages: its layers go as fewer, larger stages (256 tokens: one, behind the
+# last layer's event, with its layout and send queued while the graph runs)
+GRAPH_TOKENS_PER_STAGE = 256
+
+
+def graph_stage_layers(num_layers: int, step_tokens: int) -> int:
+    """Cache layers per graph_ran stage for a step of `step_tokens` prefill tokens."""
+    stages = max(1, min(-(-num_layers // GRAPH_STAGE_LAYERS), step_tokens // GRAPH_TOKENS_PER_STAGE))
+    return -(-num_layers // stages)
 
 
 class PageSink(Protocol):
@@ -104,6 +116,7 @@ class LayerExporter:
         self.gated = self.side is not None and bool(getattr(sink, "device_pages", False))
         self._last_layer = max(self.cache_layers, default=-1)
         self._targets: list[_Target] = []
+        self._step_tokens = 0  # prefill tokens of the step `begin` saw (its graph's length)
         self._staged: deque[_Staged] = deque()
 
     def begin(self, sched: SchedulerOutput) -> Callable[[int], None] | None:
@@ -117,16 +130,18 @@ class LayerExporter:
             for req, n in sched.prefills
             if req.num_computed_tokens + n == req.num_tokens
         ]
+        self._step_tokens = sum(n for _, n in sched.prefills)
         return self.layer_done if self._targets else None
 
     def graph_ran(self, layer_events: Mapping[int, torch.cuda.Event]) -> None:
-        """The step ran in a prefill graph (just launched): the cache layers' copies, GRAPH_STAGE_LAYERS
-        at a time behind the event the graph records after the last of them. Only for `gated`
-        sinks: nothing here waits."""
+        """The step ran in a prefill graph (just launched): the cache layers' copies, a stage of
+        `graph_stage_layers` at a time behind the event the graph records after the last of them.
+        Only for `gated` sinks: nothing here waits."""
         assert self.gated
         layers = sorted(self.cache_layers)
-        for i in range(0, len(layers), GRAPH_STAGE_LAYERS):
-            group = layers[i : i + GRAPH_STAGE_LAYERS]
+        per = graph_stage_layers(len(layers), self._step_tokens)
+        for i in range(0, len(layers), per):
+            group = layers[i : i + per]
             self._stage(group, layer_events[group[-1]])
 
     def layer_done(self, layer_idx: int) -> None:
