@@ -58,8 +58,9 @@ def _streams_and_whole(tx: NcclConnector) -> None:
     assert sent["s2"].nbytes >= make_pages("s2", torch.bfloat16, 13).nbytes() > 0
 
 
-def test_streamed_requests_arrive_bit_exact_beside_whole_ones(monkeypatch: pytest.MonkeyPatch) -> None:
-    entries: list[list[str]] = []  # per data message: its entries, "part" or "last"
+def _entries_read(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """Per data message the receiver reads (in this process): its entries, "part" or "last"."""
+    entries: list[list[str]] = []
     read = NcclReceiver._read
 
     def spy(self: NcclReceiver, msg: list[bytes]) -> Any:
@@ -69,6 +70,11 @@ def test_streamed_requests_arrive_bit_exact_beside_whole_ones(monkeypatch: pytes
         return item
 
     monkeypatch.setattr(NcclReceiver, "_read", spy)
+    return entries
+
+
+def test_streamed_requests_arrive_bit_exact_beside_whole_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    entries = _entries_read(monkeypatch)
     table = ReservationTable(ttl=60.0, token=TOKEN)
     reserve(table, "s1", "whole", "s2", "s3")
     with pair(table, _streams_and_whole) as rx:
@@ -107,16 +113,7 @@ def test_a_burst_of_streamed_layers_travels_in_few_entries(monkeypatch: pytest.M
     """NcclConfig.part_hold: layers handed over right after a message went make no part of their
     own (each entry costs both hosts a share of work the link then waits for): after the first
     part, each request goes whole with its final send -- bit-exact, its stats with every byte."""
-    entries: list[list[str]] = []
-    read = NcclReceiver._read
-
-    def spy(self: NcclReceiver, msg: list[bytes]) -> Any:
-        item = read(self, msg)
-        if item is not None and item.control.kind == "data":
-            entries.append(["part" if item.is_part(i) else "last" for i in range(len(item.control.req_ids))])
-        return item
-
-    monkeypatch.setattr(NcclReceiver, "_read", spy)
+    entries = _entries_read(monkeypatch)
     table = ReservationTable(ttl=60.0, token=TOKEN)
     reserve(table, "b1", "b2", "b3")
     with pair(table, _burst) as rx:
