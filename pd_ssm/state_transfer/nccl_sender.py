@@ -1,8 +1,8 @@
 """NcclSender: the prefill side of the NCCL connector -- pairing, posting requests, completing them.
 
-See nccl_connector.py for the protocol. A sender is paired with exactly one receiver at a time;
-after its peer is lost it fails what was in flight, holds no buffer, and re-pairs on the next
-`send` (or an explicit `pair`).
+See nccl_connector.py for the protocol, nccl_pairing.py for the handshake. A sender is paired with
+exactly one receiver at a time; after its peer is lost it fails what was in flight, holds no
+buffer, and re-pairs on the next `send` (or an explicit `pair`).
 
 `send` never waits for the device. A request that finds the link idle goes out at once; one that
 comes while an earlier message is still on its way is held and coalesced with the others held
@@ -34,20 +34,12 @@ from pd_ssm.state_transfer.nccl_batch import OutMessage, build
 from pd_ssm.state_transfer.nccl_coalesce import Coalescer, Queued
 from pd_ssm.state_transfer.nccl_config import NcclConfig
 from pd_ssm.state_transfer.nccl_control import Control
-from pd_ssm.state_transfer.nccl_group import (
-    ADDRESS_KEY,
-    GEN_KEY,
-    SENDER_RANK,
-    PeerGroup,
-    dropped_key,
-    join_store,
-    split_tcp,
-)
+from pd_ssm.state_transfer.nccl_group import PeerGroup, split_tcp
 from pd_ssm.state_transfer.nccl_memo import Memo
 from pd_ssm.state_transfer.nccl_message import Layouts
+from pd_ssm.state_transfer.nccl_pairing import dropped, pair_with
 from pd_ssm.state_transfer.nccl_stream_out import StreamOut
 
-_PROBE_TIMEOUT = 1.0  # seconds a liveness probe of the rendezvous store may take
 # (layout, offset) pairs kept: a few models' layouts at every place a coalesced message puts a request
 _MEMO_ENTRIES = 256
 _REAP_PROBE_S = 0.02  # seconds between the store probes of `reap` (flush always probes)
@@ -91,22 +83,9 @@ class NcclSender:
             split_tcp(rendezvous)
             self.rendezvous = rendezvous
         self.lose_peer("re-pairing")
-        try:
-            store = join_store(self.rendezvous, self.config.timeout)
-            address = store.get(ADDRESS_KEY).decode()
-            gen = store.add(GEN_KEY, 1)
-            self._close_push()
-            self._push = self._socket(address)
-            try:
-                self._push.send_multipart([self._token, Control.hello(gen).encode()])
-            except zmq.Again:
-                raise RuntimeError(f"receiver {address} did not take the hello within {self.config.send_timeout} s") from None
-            group = PeerGroup(store, gen, SENDER_RANK, self.device, self.config.timeout)
-            # NOTE: a store client retries a lost server until its timeout: probes must not stall a dead peer's sender
-            probe = join_store(self.rendezvous, min(_PROBE_TIMEOUT, self.config.timeout))
-        except (RuntimeError, ValueError) as e:  # c10d raises RuntimeError (DistStoreError) on timeouts
-            raise RuntimeError(f"pairing with the receiver at {self.rendezvous} failed: {e}") from e
-        self.address, self._group, self._probe = address, group, probe
+        p = pair_with(self.rendezvous, self.config, self._ctx, self.device)
+        self._close_push()
+        self.address, self._push, self._group, self._probe = p
 
     def send(self, pages: StatePages, ticket: Ticket) -> None:
         if self._group is None:
@@ -335,13 +314,8 @@ class NcclSender:
         """One store round trip: did the receiver drop our generation (then re-pair on next send)?"""
         if self._group is None or self._probe is None:
             return
-        key = dropped_key(self._group.gen)
-        try:
-            dropped = self._probe.check([key])
-            reason = self._probe.get(key).decode() if dropped else ""
-        except RuntimeError as e:  # the store went with its receiver
-            dropped, reason = True, f"rendezvous store unreachable: {e}"
-        if dropped:
+        reason = dropped(self._probe, self._group.gen)
+        if reason is not None:
             self.lose_peer(f"the receiver dropped the pairing ({reason})")
 
     def _complete(self, out: OutMessage) -> None:
@@ -377,14 +351,6 @@ class NcclSender:
             self.flush(timeout)
         self.lose_peer("connector closed")
         self._close_push()
-
-    def _socket(self, address: str) -> zmq.Socket:
-        sock = self._ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.SNDTIMEO, int(self.config.send_timeout * 1000))
-        sock.setsockopt(zmq.LINGER, 1000)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # only onto a live connection: a dead peer -> Again
-        sock.connect(address)
-        return sock
 
     def _close_push(self) -> None:
         if self._push is not None:
