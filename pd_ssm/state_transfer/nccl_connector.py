@@ -30,9 +30,9 @@ request in ~0.5 ms, against ~26 ms for the prefill in CUDA graphs). With
 `NcclConfig.stream_layers` it streams instead (`send_layers`): layers go as parts of
 ~`stream_bytes` while the forward runs (entries without a request frame, coalesced as requests
 are; host layers handed over within `part_hold` of the last message collect into larger parts,
-since a burst is bound by the hosts' work per entry), the receiver checks and holds them, and the request's last entry brings the rest and the
-count of parts before it; it is handed out only then, with every layer checked once
-(nccl_streamed.py). From a graph prefill the layers are device snapshots with a `ready` event:
+since a burst is bound by the hosts' work per entry), the receiver checks and holds them, and the
+request's last entry brings the rest and the count of parts before it; it is handed out only
+then, with every layer checked once (nccl_streamed.py). From a graph prefill the layers are device snapshots with a `ready` event:
 their part's metadata leaves at once and its layout and send wait on the device (nccl_sender.py),
 so the receiver may hold a posted recv for up to a prefill step (a poll does not wait for it).
 

@@ -64,8 +64,7 @@ class StreamOut:
             held = self._held[req_id] = _Held()
         held.layers += layers
         for page in layers:
-            for t in page.tensors.values():
-                held.nbytes += t.nbytes
+            held.nbytes += page.nbytes()
         if ready is not None:
             held.ready = ready
         if held.nbytes < stream_bytes and not (flush and held.layers):
