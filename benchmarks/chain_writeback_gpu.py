@@ -27,40 +27,25 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.linear_gpu import graph_time_us
+from benchmarks.pdl_gpu import D_INNER, EPS, G, H, Wide
 from pd_ssm.kernels.mixer_decode_triton import mamba2_decode_step_triton
 from pd_ssm.kernels.rmsnorm import RowRms
 from pd_ssm.kernels.rmsnorm_triton import add_rms_norm_triton
 
-HID, H, P, N, G, W = 2560, 80, 64, 128, 1, 4
-D_INNER, CONV_DIM = H * P, H * P + 2 * G * N
-PROJ = D_INNER + CONV_DIM + H
-EPS = 1e-5
 BATCH, L = 32, 32
 
 
-class Chain:
+class Chain(Wide):
+    """pdl_gpu.Wide's weights and pools at BATCH rows over L layers, and the inputs of the variants."""
+
     def __init__(self) -> None:
         dev = torch.device("cuda")
-
-        def r(*shape: int, scale: float = 1.0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-            return (torch.randn(*shape, device=dev) * scale).to(dtype)
-
-        self.w_in = [r(PROJ, HID, scale=HID ** -0.5) for _ in range(L)]
-        self.w_out = [r(HID, D_INNER, scale=D_INNER ** -0.5) for _ in range(L)]
-        self.norm_w = 1 + r(HID, scale=0.1)
-        self.conv = [r(BATCH, CONV_DIM, W - 1) for _ in range(L)]
-        self.ssm = [r(BATCH, H, P, N, scale=0.1, dtype=torch.float32) for _ in range(L)]
-        self.cw, self.cb = r(CONV_DIM, W, scale=0.5), r(CONV_DIM, scale=0.1)
-        self.A = -torch.rand(H, device=dev) - 0.5
-        self.D, self.dt_bias = r(H, dtype=torch.float32), r(H, scale=0.5, dtype=torch.float32)
-        self.gate_w = 1 + r(D_INNER, scale=0.1)
-        self.slots = torch.arange(BATCH, device=dev, dtype=torch.int32)
-        self.residual, self.delta = r(BATCH, HID), r(BATCH, HID)
+        super().__init__(BATCH, L, dev)
         self.sq = torch.rand(BATCH, H, device=dev) * D_INNER
-        self.g = r(BATCH, D_INNER)
+        self.g = (torch.randn(BATCH, D_INNER, device=dev)).to(torch.bfloat16)
         self.sink = torch.zeros(BATCH, device=dev)
 
-    def run(self, between: str, _: int = 0) -> torch.Tensor:
+    def run_with(self, between: str, _: int = 0) -> torch.Tensor:
         delta, residual, x_rms = self.delta, self.residual, RowRms(self.sq, D_INNER, EPS)
         for i in range(L):
             normed, residual = add_rms_norm_triton(delta, residual, self.norm_w, EPS, residual_dtype=torch.bfloat16,
@@ -105,8 +90,8 @@ def main() -> None:
     chain = Chain()
     res = []
     for between in ("ssu", "rw", "read", "none", "ssu"):
-        us = graph_time_us(chain.run, between, [0]) / L
-        per = kernel_us(functools.partial(chain.run, between))
+        us = graph_time_us(chain.run_with, between, [0]) / L
+        per = kernel_us(functools.partial(chain.run_with, between))
         res.append({"between": between, "us_per_layer": us, "kernels": per})
         top = "  ".join(f"{v:6.2f} {k[:28]}" for k, v in list(per.items())[:6])
         print(f"{between:5} {us:7.2f} us/layer | {top}", flush=True)
