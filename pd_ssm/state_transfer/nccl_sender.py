@@ -43,6 +43,7 @@ from pd_ssm.state_transfer.nccl_stream_out import StreamOut
 # (layout, offset) pairs kept: a few models' layouts at every place a coalesced message puts a request
 _MEMO_ENTRIES = 256
 _REAP_PROBE_S = 0.02  # seconds between the store probes of `reap` (flush always probes)
+_IDLE_PROBE_S = 20e-6  # seconds between `send_layers`' looks at the link (one ~1-2 us event query)
 
 
 class NcclSender:
@@ -67,6 +68,7 @@ class NcclSender:
         self._probed = 0.0  # time.monotonic() of reap's last store probe
         self._stream: torch.cuda.Stream | None = None  # where gated messages are laid out (`_gate`)
         self._posted_at = float("-inf")  # time.monotonic() of the last data message with bytes posted
+        self._idle_probed = float("-inf")  # time.monotonic() of send_layers' last look at the link
 
     @property
     def paired(self) -> bool:
@@ -149,10 +151,18 @@ class NcclSender:
         # those, not on the layers. Gated layers (`ready`) keep stream_bytes: they come all at once,
         # at the launch of a graph that makes them over milliseconds
         size = self.config.stream_bytes
-        if ready is None and time.monotonic() - self._posted_at < self.config.part_hold:
+        now = time.monotonic()
+        if ready is None and now - self._posted_at < self.config.part_hold:
             size = self._held.cap
         part = self._streams.add(req_id, layers, size, ready, flush=last)
         if part is None:
+            # NOTE: what is held leaves once the link is idle, as at a send: a burst handed over
+            # layer by layer makes an entry only at each request's end (~0.3 ms of hand-over on the
+            # H200's host), and the link would wait that long for the next message
+            if self._held and now - self._idle_probed >= _IDLE_PROBE_S:
+                self._idle_probed = now
+                if not self._link_busy():
+                    self._post(self._held.take())
             return
         self._queue(Queued(part.pages, time.monotonic(), part.nbytes, part=True, ready=part.ready))
 

@@ -10,9 +10,10 @@ import msgpack
 import pytest
 import torch
 
+from pd_ssm.cache.pages import LayerPages, PageRun, StatePages
 from pd_ssm.state_transfer.nccl_checksum import BLOCK, align, block_sums, trailer_bytes
 from pd_ssm.state_transfer.nccl_control import Control, parse_control
-from pd_ssm.state_transfer.nccl_message import pack, parse_tensors, unpack
+from pd_ssm.state_transfer.nccl_message import pack, parse_tensors, plan, unpack
 from pd_ssm.state_transfer.wire import FrameError
 from tests.state_transfer.test_nccl_connector import assert_same, make_pages
 
@@ -31,6 +32,46 @@ def test_pack_aligns_every_run_and_unpack_returns_views() -> None:
     assert ssm.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()  # a view, no copy
     gap = buf[metas[0]["nbytes"] : align(metas[0]["nbytes"])]
     assert gap.numel() > 0 and not gap.any()  # padding is zeros, so both sides sum the same
+
+
+def _stacked_pages(seed: int) -> StatePages:
+    """5 SSM layers' pages as per-layer views of two stacked tensors (what export_pages' runs give)."""
+    g = torch.Generator().manual_seed(seed)
+    conv, ssm = torch.randn(5, 6, 3, generator=g), torch.randn(5, 2, 4, 8, generator=g)
+    return StatePages(make_pages("s", torch.float32, seed).request,
+                      runs=[PageRun("ssm", "conv", (0, 1, 2, 3, 4), conv), PageRun("ssm", "ssm", (0, 1, 2, 3, 4), ssm)])
+
+
+def test_per_layer_views_of_one_tensor_are_laid_out_as_one_view() -> None:
+    """Evenly spaced slices of one allocation go to the batched copy as one strided view, no stack;
+    anything else (separate tensors, slices out of order or overlapping) is stacked. Same bytes."""
+    pages = _stacked_pages(31)
+    expect = [r.stacked.clone() for r in pages.runs or []]
+    _ = pages.layers  # per-layer views from now on
+    sources = plan([pages]).sources[0]
+    assert all(isinstance(s, torch.Tensor) for s in sources)
+    assert all(torch.equal(s, e) for s, e in zip(sources, expect, strict=True))
+    assert sources[1].data_ptr() == pages.layers[0].tensors["ssm"].data_ptr()  # a view, not a copy
+    buf, metas = pack(pages, torch.device("cpu"))
+    assert_same(pages, unpack(pages.request, parse_tensors(msgpack.packb(metas), 0, _payload(metas)), buf,
+                              torch.device("cpu")))
+
+    apart = _stacked_pages(32)
+    apart.layers[3].tensors["conv"] = apart.layers[3].tensors["conv"].clone()  # its own allocation
+    cut = apart.layers[2].tensors["ssm"]
+    apart.layers[2].tensors["ssm"] = cut.transpose(1, 2).contiguous().transpose(1, 2)  # same shape, not contiguous
+    conv, ssm = plan([apart]).sources[0]
+    assert isinstance(conv, list) and isinstance(ssm, list)
+    buf, metas = pack(apart, torch.device("cpu"))
+    assert_same(apart, unpack(apart.request, parse_tensors(msgpack.packb(metas), 0, _payload(metas)), buf,
+                              torch.device("cpu")))
+
+    overlapping = make_pages("o", torch.float32, 33)
+    window = torch.randn(4, 6, 3, generator=torch.Generator().manual_seed(33))
+    flat = window.reshape(-1)
+    overlapping.layers = {i: LayerPages(i, "ssm", {"conv": flat[9 * i : 9 * i + 18].view(6, 3)}) for i in range(3)}
+    (src,) = plan([overlapping]).sources[0]
+    assert isinstance(src, list)  # 18 values, 9 apart: each overlaps the next
 
 
 def _payload(metas: list[dict[str, Any]]) -> int:

@@ -128,6 +128,39 @@ def test_a_burst_of_streamed_layers_travels_in_few_entries(monkeypatch: pytest.M
     assert len(table) == 0
 
 
+def _held_then_layers(tx: NcclConnector) -> None:
+    """w2 is held behind w1 (gloo: the link counts as busy until a flush); then the link is idle,
+    and s1's first streamed layer -- not its final send -- takes w2 out."""
+    _streaming(tx, part_hold=60.0)
+    tx.send(make_pages("w1", torch.float32, 41), ticket(tx, "w1"))
+    tx.send(make_pages("w2", torch.float32, 42), ticket(tx, "w2"))
+    assert len(tx._tx._held) == 1  # type: ignore[union-attr]
+    tx._tx._link_busy = lambda: False  # type: ignore[union-attr,method-assign]  # gloo cannot tell it is idle
+    pages = make_pages("s1", torch.float32, 43)
+    layers = list(pages.layers.values())
+    tx.send_layers(ticket(tx, "s1"), layers[:1])
+    assert not tx._tx._held  # type: ignore[union-attr]
+    tx.send_layers(ticket(tx, "s1"), layers[1:])
+    tx.send(StatePages(pages.request, layers={}), ticket(tx, "s1"))
+    assert tx.flush(10.0)
+    assert tx.get_finished()[0] == {"w1", "w2", "s1"} and tx.get_failed() == {}
+
+
+def test_what_is_held_leaves_when_a_streamed_layer_finds_the_link_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst handed over layer by layer makes an entry only at each request's end: the requests
+    held meanwhile go as soon as a send_layers call sees the link idle, not with the next entry."""
+    entries = _entries_read(monkeypatch)
+    table = ReservationTable(ttl=60.0, token=TOKEN)
+    reserve(table, "w1", "w2", "s1")
+    with pair(table, _held_then_layers) as rx:
+        got, failed = collect(rx, 3)
+        assert failed == {} and sorted(got) == ["s1", "w1", "w2"]
+        for req_id, seed in (("w1", 41), ("w2", 42), ("s1", 43)):
+            assert_same(make_pages(req_id, torch.float32, seed), got[req_id])
+        assert entries == [["last"], ["last"], ["last"]], entries  # w2 did not wait to share s1's message
+    assert len(table) == 0
+
+
 def test_part_hold_is_checked() -> None:
     with pytest.raises(ValueError, match="part_hold"):
         NcclConfig(TOKEN, "tcp://127.0.0.1:0", part_hold=-1.0)
