@@ -91,6 +91,19 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "bk16 s2": dict(scan_block_k=16, scan_stages=2),
     "cb_low s2 r128": dict(scan_cb="low", scan_stages=2, scan_maxnreg=128),
     "cb_low bk16 s3": dict(scan_cb="low", scan_block_k=16),
+    # session 11: the scan's C / B / x tiles through TMA descriptors (no per-element address and
+    # mask arithmetic, which ncu found the busiest pipe: ALU 54%), alone and with fewer / more stages
+    # (default since then from 4096 tokens; "pointers" is the earlier default, "tma all" TMA at 2048 too)
+    "pointers": dict(scan_tma=False),
+    "tma all": dict(scan_tma_min_tokens=0),
+    "tma s2": dict(scan_stages=2),
+    "tma s4": dict(scan_stages=4),
+    "tma bk64 s2": dict(scan_block_k=64, scan_stages=2),
+    "tma states_low": dict(chunk_states_low=True),
+    "tma bk16": dict(scan_block_k=16),
+    "tma heads2": dict(scan_heads=2),
+    "tma bm128 w8": dict(scan_block_m=128, scan_warps=8),
+    "tma cb_low": dict(scan_cb="low"),
 }
 if OPTS.only:
     VARIANTS = {k: v for k, v in VARIANTS.items() if k in OPTS.only.split(",")}

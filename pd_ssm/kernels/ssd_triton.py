@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pd_ssm.kernels.ssd import NO_DT_LIMIT, ScanOutput, _check_scan_args
 from pd_ssm.kernels.ssd_triton_bmm import _ssd_chunk_cb_kernel
@@ -66,6 +67,13 @@ class SSDConfig:
     scan_maxnreg: int | None = None
     cb_block: int = 64  # rows and columns of C B^T per program of the CB kernel
     cb_warps: int = 4
+    # the scan's C, B and x tiles through TMA descriptors (no per-element addresses or masks) where
+    # the layout allows it (`_scan_descriptors`) and the batch has at least scan_tma_min_tokens
+    # tokens; else the pointer loads. 2-6% faster at 1x32768, 16x1024 and 1x8192 on the H200, same
+    # results; but the descriptors cost the host ~40 us a launch, which a short eager scan (1x2048:
+    # 0.14 -> 0.18 ms) does not hide (benchmarks/RESULTS.md, session 11)
+    scan_tma: bool = True
+    scan_tma_min_tokens: int = 4096
 
     def __post_init__(self) -> None:
         if self.scan_cb not in ("fused", "fp32", "low"):
@@ -78,7 +86,7 @@ class SSDConfig:
 # NOTE: fp32 dots are IEEE (FMA, no tensor cores) and hold larger tiles in registers: smaller
 # tiles and more warps keep them from spilling (ptxas, sm_90)
 _FP32_CONFIG = SSDConfig(state_block_k=64, state_warps=8, state_stages=2, scan_block_m=64, scan_block_k=32,
-                         scan_heads=1, scan_warps=8, scan_stages=2)
+                         scan_heads=1, scan_warps=8, scan_stages=2, scan_tma=False)  # TMA: not measured in fp32
 
 
 def default_config(dot_dtype: torch.dtype) -> SSDConfig:
@@ -97,6 +105,24 @@ def max_logical_chunks(num_tokens: int, num_seqs: int, chunk_size: int) -> int:
 def _block(n: int, cap: int) -> int:
     # tl.dot needs every dimension >= 16
     return max(16, min(cap, triton.next_power_of_2(n)))
+
+
+def _scan_descriptors(x: Tensor, B: Tensor, C: Tensor, block_m: int, block_k: int, block_p: int,
+                      block_n: int) -> tuple[TensorDescriptor, TensorDescriptor, TensorDescriptor] | None:
+    """TMA descriptors of x as [T, H * P] and B, C as [T, G * N], or None where TMA cannot read
+    them: a head's or a group's tile must be exactly P or N wide (a wider one would read the next
+    head or group), and TMA needs 16-byte aligned bases and row strides, unit inner strides."""
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    if (P, N) != (block_p, block_n):
+        return None
+    for t, inner in ((x, P), (B, N), (C, N)):
+        if (t.stride(2) != 1 or t.stride(1) != inner or t.data_ptr() % 16
+                or (t.stride(0) * t.element_size()) % 16):
+            return None
+    return (TensorDescriptor(x, [T, H * P], [x.stride(0), 1], [block_k, P]),
+            TensorDescriptor(B, [T, G * N], [B.stride(0), 1], [block_k, N]),
+            TensorDescriptor(C, [T, G * N], [C.stride(0), 1], [block_m, N]))
 
 
 def mamba_chunk_scan_varlen_triton(
@@ -239,12 +265,15 @@ def ssd_scan_with_config(
     heads = cfg.scan_heads if (H // G) % cfg.scan_heads == 0 else 1
     # NOTE: one program's heads must lie in one group; else fall back to one set per program
     loop = cfg.scan_head_loop if (H // G) % (heads * cfg.scan_head_loop) == 0 else 1
+    tma = cfg.scan_tma and T >= cfg.scan_tma_min_tokens
+    descs = _scan_descriptors(x, B, C, block_m, block_k, BP, BN) if tma else None
+    x_desc, B_desc, C_desc = descs or (x, B, C)  # unused without TMA
     _ssd_chunk_scan_kernel[(H // (heads * loop), triton.cdiv(Q, block_m), K)](
-        x, B, C, D, dt_buf, cs_buf, starts, chunk_info, cb, out,
+        x, B, C, D, dt_buf, cs_buf, starts, chunk_info, cb, out, x_desc, B_desc, C_desc,
         K, H, P, N, H // G, G,
         x.stride(0), x.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
         out.stride(0), out.stride(1),
-        CHUNK=Q, HAS_D=D is not None, HEADS=heads, HEAD_LOOP=loop, CB_LOADED=cb_loaded, CB_WHOLE_TILES=whole_tiles, BLOCK_M=block_m, BLOCK_K=block_k,
+        CHUNK=Q, HAS_D=D is not None, HEADS=heads, HEAD_LOOP=loop, CB_LOADED=cb_loaded, CB_WHOLE_TILES=whole_tiles, TMA=descs is not None, BLOCK_M=block_m, BLOCK_K=block_k,
         BLOCK_P=BP, BLOCK_N=BN, num_warps=cfg.scan_warps, num_stages=cfg.scan_stages, maxnreg=cfg.scan_maxnreg, **dot,
     )
     if not return_boundary_states:

@@ -29,19 +29,23 @@ def _scan_head_start(C_m, h, k, nheads, headdim, dstate, cs_buf_ptr, buf, starts
 
 @triton.jit
 def _scan_head_step(acc, cb, causal, diag, D_h, cs_m, cs_buf_ptr, dt_buf_ptr, buf, x_base, offs_k, mk, offs_p,
-                    mp, stride_x_t, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    INTERPRETED: tl.constexpr):
+                    mp, stride_x_t, x_desc, x_row, x_col, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    INTERPRETED: tl.constexpr, TMA: tl.constexpr):
     """acc += (C B^T ∘ e^{cs_l - cs_s} dt'_s + D I) x over one block of source tokens s, for one head.
 
     D rides on the diagonal of the weights (no separate load of x for D x); with bf16 dots D·x is
-    then rounded like the other weights, with fp32 dots it is exact.
+    then rounded like the other weights, with fp32 dots it is exact. TMA: the x tile comes through
+    its descriptor at (x_row, x_col), unmasked (the kernel says why that is exact).
     """
     cs_k = tl.load(cs_buf_ptr + buf + offs_k, mask=mk, other=0.0)
     dt_k = tl.load(dt_buf_ptr + buf + offs_k, mask=mk, other=0.0)
     decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
     w = _cast(cb * decay * dt_k[None, :] + tl.where(diag, D_h, 0.0), DOT_DTYPE, INTERPRETED)
-    xk = tl.load(x_base + offs_k[:, None] * stride_x_t + offs_p[None, :], mask=mk[:, None] & mp[None, :],
-                 other=0.0)
+    if TMA:
+        xk = x_desc.load([x_row, x_col])
+    else:
+        xk = tl.load(x_base + offs_k[:, None] * stride_x_t + offs_p[None, :], mask=mk[:, None] & mp[None, :],
+                     other=0.0)
     xk = _cast(xk, DOT_DTYPE, INTERPRETED)  # [BLOCK_K, BLOCK_P]
     return _dot(w, xk, acc, DOT_PRECISION, INTERPRETED)
 
@@ -59,6 +63,7 @@ def _ssd_chunk_scan_kernel(
     x_ptr, B_ptr, C_ptr, D_ptr, dt_buf_ptr, cs_buf_ptr, starts_ptr, chunk_ptr,  # inputs
     cb_ptr,  # input when CB_LOADED: [K_max, G, CHUNK, CHUNK] C B^T per (chunk, group)
     out_ptr,  # output
+    x_desc, B_desc, C_desc,  # when TMA: x as [T, H * P], B and C as [T, G * N] (else unused)
     # dimensions
     K_max, nheads, headdim, dstate, heads_per_group, ngroups,
     # strides (token, head / group); the last axes have stride 1
@@ -66,7 +71,7 @@ def _ssd_chunk_scan_kernel(
     # meta-parameters
     CHUNK: tl.constexpr, HAS_D: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr, HEADS: tl.constexpr, HEAD_LOOP: tl.constexpr, CB_LOADED: tl.constexpr,
-    CB_WHOLE_TILES: tl.constexpr,
+    CB_WHOLE_TILES: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # HEADS (1, 2 or 4) consecutive heads of one group share this program's C and B tiles and each
@@ -86,8 +91,15 @@ def _ssd_chunk_scan_kernel(
     mm = offs_m < L
     mp = offs_p < headdim
     mn = offs_n < dstate
-    C_m = tl.load(C_ptr + t0 * stride_C_t + g * stride_C_g + offs_m[:, None] * stride_C_t + offs_n[None, :],
-                  mask=mm[:, None] & mn[None, :], other=0.0)
+    # NOTE (TMA): tiles come whole through descriptors, zero past the last token; rows past the
+    # chunk's L (the next sequence's tokens) are read too. They change nothing: a row l >= L is
+    # never stored, and a source s >= L > l of a row that is stored has zero weight (causal mask,
+    # dt' loaded as 0). Tiles are exactly P and N wide (the launcher checks): no other head or group
+    if TMA:
+        C_m = C_desc.load([(t0 + mb * BLOCK_M).to(tl.int32), g * dstate])
+    else:
+        C_m = tl.load(C_ptr + t0 * stride_C_t + g * stride_C_g + offs_m[:, None] * stride_C_t + offs_n[None, :],
+                      mask=mm[:, None] & mn[None, :], other=0.0)
     C_m = _cast(C_m, DOT_DTYPE, INTERPRETED)  # [BLOCK_M, BLOCK_N]
     B_base = B_ptr + t0 * stride_B_t + g * stride_B_g
     cb_base = cb_ptr + (k * ngroups + g) * (CHUNK * CHUNK)  # [CHUNK, CHUNK] of this (chunk, group)
@@ -140,21 +152,28 @@ def _ssd_chunk_scan_kernel(
                 # NOTE: the CB kernel wrote only s <= l < L (block-wise): mask to exactly that
                 cb = tl.load(cb_base + offs_m[:, None] * CHUNK + offs_k[None, :],
                              mask=causal & mm[:, None] & mk[None, :], other=0.0).to(tl.float32)
+            elif TMA:
+                BT = tl.trans(_cast(B_desc.load([(t0 + kb).to(tl.int32), g * dstate]), DOT_DTYPE, INTERPRETED))
+                cb = _dot(C_m, BT, None, DOT_PRECISION, INTERPRETED)  # [BLOCK_M, BLOCK_K] fp32
             else:
                 BT = tl.load(B_base + offs_k[None, :] * stride_B_t + offs_n[:, None],
                              mask=mn[:, None] & mk[None, :], other=0.0)
                 BT = _cast(BT, DOT_DTYPE, INTERPRETED)  # [BLOCK_N, BLOCK_K]
                 cb = _dot(C_m, BT, None, DOT_PRECISION, INTERPRETED)  # [BLOCK_M, BLOCK_K] fp32
             acc0 = _scan_head_step(acc0, cb, causal, diag, D0, cs0, cs_buf_ptr, dt_buf_ptr, buf0, xb0, offs_k, mk, offs_p, mp,
-                                   stride_x_t, DOT_DTYPE, DOT_PRECISION, INTERPRETED)
+                                   stride_x_t, x_desc, (t0 + kb).to(tl.int32),
+                                   h0 * headdim, DOT_DTYPE, DOT_PRECISION, INTERPRETED, TMA)
             if HEADS >= 2:
                 acc1 = _scan_head_step(acc1, cb, causal, diag, D1, cs1, cs_buf_ptr, dt_buf_ptr, buf1, xb1, offs_k, mk, offs_p,
-                                       mp, stride_x_t, DOT_DTYPE, DOT_PRECISION, INTERPRETED)
+                                       mp, stride_x_t, x_desc, (t0 + kb).to(tl.int32),
+                                       (h0 + 1) * headdim, DOT_DTYPE, DOT_PRECISION, INTERPRETED, TMA)
             if HEADS >= 4:
                 acc2 = _scan_head_step(acc2, cb, causal, diag, D2, cs2, cs_buf_ptr, dt_buf_ptr, buf2, xb2, offs_k, mk, offs_p,
-                                       mp, stride_x_t, DOT_DTYPE, DOT_PRECISION, INTERPRETED)
+                                       mp, stride_x_t, x_desc, (t0 + kb).to(tl.int32),
+                                       (h0 + 2) * headdim, DOT_DTYPE, DOT_PRECISION, INTERPRETED, TMA)
                 acc3 = _scan_head_step(acc3, cb, causal, diag, D3, cs3, cs_buf_ptr, dt_buf_ptr, buf3, xb3, offs_k, mk, offs_p,
-                                       mp, stride_x_t, DOT_DTYPE, DOT_PRECISION, INTERPRETED)
+                                       mp, stride_x_t, x_desc, (t0 + kb).to(tl.int32),
+                                       (h0 + 3) * headdim, DOT_DTYPE, DOT_PRECISION, INTERPRETED, TMA)
 
         _scan_head_store(acc0, h0, out_ptr, t0, offs_m, offs_p, mm, mp, stride_o_t, stride_o_h, INTERPRETED)
         if HEADS >= 2:

@@ -50,12 +50,16 @@ H, P, N, CHUNK, X = (8, 64, 64, 64, 4) if CUDA else (4, 16, 16, 16, 1)
 
 
 # Every kernel test runs once per variant: the default path (C B^T fused into the scan, fp32 chunk
-# states) and the shared-C B^T path (one CB launch per (chunk, group) in the dot dtype, two head
-# sets looped per scan program, chunk states in the dot dtype), its fields laid over those an explicit
-# config leaves at their defaults.
+# states; the scan's tiles through TMA descriptors only from 4096 tokens, so never at these
+# lengths), the shared-C B^T path (one CB launch per (chunk, group) in the dot dtype, two head sets
+# looped per scan program, chunk states in the dot dtype), the TMA scan at every length (every
+# dtype), and the pointer-load scan; its fields laid over those an explicit config leaves at their
+# defaults.
 VARIANTS: dict[str, dict[str, Any]] = {
     "fused": {},
     "shared_cb": dict(scan_cb="low", scan_head_loop=2, chunk_states_low=True),
+    "tma": dict(scan_tma_min_tokens=0),  # TMA at every length (the default: from 4096 tokens)
+    "pointers": dict(scan_tma=False),  # C, B and x tiles by pointer loads, masked
 }
 _variant: dict[str, Any] = {}
 
