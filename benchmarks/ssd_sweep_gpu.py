@@ -94,7 +94,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # session 11: the scan's C / B / x tiles through TMA descriptors (no per-element address and
     # mask arithmetic, which ncu found the busiest pipe: ALU 54%), alone and with fewer / more stages
     # (default since then from 4096 tokens; "pointers" is the earlier default, "tma all" TMA at 2048 too)
-    "pointers": dict(scan_tma=False),
+    "pointers": dict(scan_tma=False, state_tma=False),
     "tma all": dict(scan_tma_min_tokens=0),
     "tma s2": dict(scan_stages=2),
     "tma s4": dict(scan_stages=4),
@@ -104,6 +104,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "tma heads2": dict(scan_heads=2),
     "tma bm128 w8": dict(scan_block_m=128, scan_warps=8),
     "tma cb_low": dict(scan_cb="low"),
+    # the chunk-state kernel's tiles through TMA too (default since; "no state_tma" the one before)
+    "no state_tma": dict(state_tma=False),
 }
 if OPTS.only:
     VARIANTS = {k: v for k, v in VARIANTS.items() if k in OPTS.only.split(",")}

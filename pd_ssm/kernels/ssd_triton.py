@@ -74,6 +74,7 @@ class SSDConfig:
     # 0.14 -> 0.18 ms) does not hide (benchmarks/RESULTS.md, session 11)
     scan_tma: bool = True
     scan_tma_min_tokens: int = 4096
+    state_tma: bool = True  # the same for the chunk-state kernel's x and B tiles (same threshold): 1-3% more
 
     def __post_init__(self) -> None:
         if self.scan_cb not in ("fused", "fp32", "low"):
@@ -86,7 +87,8 @@ class SSDConfig:
 # NOTE: fp32 dots are IEEE (FMA, no tensor cores) and hold larger tiles in registers: smaller
 # tiles and more warps keep them from spilling (ptxas, sm_90)
 _FP32_CONFIG = SSDConfig(state_block_k=64, state_warps=8, state_stages=2, scan_block_m=64, scan_block_k=32,
-                         scan_heads=1, scan_warps=8, scan_stages=2, scan_tma=False)  # TMA: not measured in fp32
+                         scan_heads=1, scan_warps=8, scan_stages=2, scan_tma=False,
+                         state_tma=False)  # TMA: not measured in fp32
 
 
 def default_config(dot_dtype: torch.dtype) -> SSDConfig:
@@ -113,16 +115,20 @@ def _scan_descriptors(x: Tensor, B: Tensor, C: Tensor, block_m: int, block_k: in
     them: a head's or a group's tile must be exactly P or N wide (a wider one would read the next
     head or group), and TMA needs 16-byte aligned bases and row strides, unit inner strides."""
     T, H, P = x.shape
-    G, N = B.shape[1], B.shape[2]
+    N = B.shape[2]
     if (P, N) != (block_p, block_n):
         return None
     for t, inner in ((x, P), (B, N), (C, N)):
         if (t.stride(2) != 1 or t.stride(1) != inner or t.data_ptr() % 16
                 or (t.stride(0) * t.element_size()) % 16):
             return None
-    return (TensorDescriptor(x, [T, H * P], [x.stride(0), 1], [block_k, P]),
-            TensorDescriptor(B, [T, G * N], [B.stride(0), 1], [block_k, N]),
-            TensorDescriptor(C, [T, G * N], [C.stride(0), 1], [block_m, N]))
+    return (TensorDescriptor(x, [T, H * P], [x.stride(0), 1], [block_k, P]), _descriptor(B, block_k, N),
+            _descriptor(C, block_m, N))
+
+
+def _descriptor(t: Tensor, rows: int, cols: int) -> TensorDescriptor:
+    """A TMA descriptor of `t` [T, G, N] as [T, G * N], tiles of [rows, cols]."""
+    return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [rows, cols])
 
 
 def mamba_chunk_scan_varlen_triton(
@@ -216,13 +222,18 @@ def ssd_scan_with_config(
                INTERPRETED=_INTERPRETED)
     BP, BN = _block(P, 256), _block(N, 256)
     state_bn = _block(N, cfg.state_block_n)
+    state_bk = _block(Q, cfg.state_block_k)
+    # NOTE: a state program's B tile must stay in its group: dstate a whole number of its blocks
+    state_descs = (_scan_descriptors(x, B, C, state_bk, state_bk, BP, BN)
+                   if cfg.state_tma and T >= cfg.scan_tma_min_tokens and N % state_bn == 0 else None)
+    sx_desc, sB_desc = (state_descs[0], _descriptor(B, state_bk, state_bn)) if state_descs else (x, B)
     _ssd_chunk_state_kernel[(H, K, triton.cdiv(N, state_bn))](
-        x, dt, A, dt_bias, B, chunk_info, dt_buf, cs_buf, states,
+        x, dt, A, dt_bias, B, chunk_info, dt_buf, cs_buf, states, sx_desc, sB_desc,
         K, H, P, N, H // G, lo if has_limit else 0.0, hi if has_limit else 0.0,
         x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1),
         CHUNK=Q, CHUNK_PAD=triton.next_power_of_2(Q), HAS_DT_BIAS=dt_bias is not None,
-        DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit, REREAD=cfg.state_reread,
-        BLOCK_K=_block(Q, cfg.state_block_k), BLOCK_P=BP, BLOCK_N=state_bn,
+        DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit, REREAD=cfg.state_reread, TMA=state_descs is not None,
+        BLOCK_K=state_bk, BLOCK_P=BP, BLOCK_N=state_bn,
         num_warps=cfg.state_warps, num_stages=cfg.state_stages, **dot,
     )
 

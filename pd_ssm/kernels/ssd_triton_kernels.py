@@ -136,6 +136,7 @@ def _ssd_chunk_state_kernel(
     # pointers
     x_ptr, dt_ptr, A_ptr, dt_bias_ptr, B_ptr, chunk_ptr,  # inputs
     dt_buf_ptr, cs_buf_ptr, states_ptr,  # outputs
+    x_desc, B_desc,  # when TMA: x as [T, H * P], B as [T, G * N] (else unused)
     # dimensions
     K_max, nheads, headdim, dstate, heads_per_group, dt_min, dt_max,
     # strides (token, head / group); the last axes have stride 1
@@ -143,7 +144,7 @@ def _ssd_chunk_state_kernel(
     # meta-parameters
     CHUNK: tl.constexpr, CHUNK_PAD: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     HAS_DT_LIMIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INTERPRETED: tl.constexpr, REREAD: tl.constexpr,
+    INTERPRETED: tl.constexpr, REREAD: tl.constexpr, TMA: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     h = tl.program_id(0)
@@ -189,11 +190,18 @@ def _ssd_chunk_state_kernel(
             cs = tl.cumsum(dt * A_h, 0) + carry
             carry = tl.sum(tl.where(tl.arange(0, BLOCK_K) == BLOCK_K - 1, cs, 0.0), 0)
         w = dt * tl.exp(total - cs)  # [BLOCK_K], 0 past L
-        xT = tl.load(x_base + offs_p[:, None] + pos[None, :] * stride_x_t,
-                     mask=(offs_p[:, None] < headdim) & m[None, :], other=0.0)  # [BLOCK_P, BLOCK_K]
+        if TMA:
+            # NOTE: whole tiles, zero past the last token; the tokens past L (the next sequence's)
+            # get w = 0, so they add nothing (the launcher checks the tiles are P and N wide)
+            row = (t0 + j).to(tl.int32)
+            xT = tl.trans(x_desc.load([row, h * headdim]))  # [BLOCK_P, BLOCK_K]
+            Bk = B_desc.load([row, (h // heads_per_group) * dstate + tl.program_id(2) * BLOCK_N])
+        else:
+            xT = tl.load(x_base + offs_p[:, None] + pos[None, :] * stride_x_t,
+                         mask=(offs_p[:, None] < headdim) & m[None, :], other=0.0)  # [BLOCK_P, BLOCK_K]
+            Bk = tl.load(B_base + pos[:, None] * stride_B_t + offs_n[None, :],
+                         mask=m[:, None] & (offs_n[None, :] < dstate), other=0.0)  # [BLOCK_K, BLOCK_N]
         xw = _cast(xT.to(tl.float32) * w[None, :], DOT_DTYPE, INTERPRETED)
-        Bk = tl.load(B_base + pos[:, None] * stride_B_t + offs_n[None, :],
-                     mask=m[:, None] & (offs_n[None, :] < dstate), other=0.0)  # [BLOCK_K, BLOCK_N]
         acc = _dot(xw, _cast(Bk, DOT_DTYPE, INTERPRETED), acc, DOT_PRECISION, INTERPRETED)
     row = (k * nheads + h) * (headdim * dstate)
     tl.store(states_ptr + row + offs_p[:, None] * dstate + offs_n[None, :],

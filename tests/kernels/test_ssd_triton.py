@@ -59,7 +59,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fused": {},
     "shared_cb": dict(scan_cb="low", scan_head_loop=2, chunk_states_low=True),
     "tma": dict(scan_tma_min_tokens=0),  # TMA at every length (the default: from 4096 tokens)
-    "pointers": dict(scan_tma=False),  # C, B and x tiles by pointer loads, masked
+    "pointers": dict(scan_tma=False, state_tma=False),  # C, B and x tiles by pointer loads, masked
 }
 _variant: dict[str, Any] = {}
 
