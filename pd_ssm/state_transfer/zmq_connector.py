@@ -22,23 +22,19 @@ pages then. `abort` of a request already partly sent tells the receiver with an 
 which the receiver reports as a failure of kind SENDER_ABORTED (base.FailureKind).
 
 Receiver: inbox.py -- authentication, the live Ticket, per-request assembly across messages, and
-the failures that cancel a reservation. Received tensors are views of the ZMQ frames (no copy).
-libzmq mallocs every received frame; glibc serves such buffers with fresh mmaps and gives freed
-ones back to the OS, so each request faulted in every 4 KiB page again (on a VM that cost 2.5x the
-loopback bandwidth). A receiving connector therefore tunes malloc, process-wide, to keep and reuse
-freed memory (`ZmqConfig.malloc_retain_bytes`; None leaves malloc alone).
+the failures that cancel a reservation. Received tensors are views of the ZMQ frames (no copy). A
+receiving connector tunes malloc, process-wide, to reuse freed receive buffers (zmq_malloc.py says
+why; `ZmqConfig.malloc_retain_bytes` None leaves malloc alone).
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
 import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import zmq
@@ -50,6 +46,7 @@ from pd_ssm.state_transfer.inbox import Inbox
 from pd_ssm.state_transfer.ledger import TransferLedger
 from pd_ssm.state_transfer.reservations import ReservationTable
 from pd_ssm.state_transfer.wire import Parts, encode_abort, encode_end, encode_request
+from pd_ssm.state_transfer.zmq_config import ZmqConfig
 from pd_ssm.state_transfer.zmq_framing import (
     Sealing,
     cut,
@@ -58,48 +55,11 @@ from pd_ssm.state_transfer.zmq_framing import (
     slabs_of_runs,
     unsealed_frames,
 )
+from pd_ssm.state_transfer.zmq_malloc import retain_freed_memory
 
 _MAX_ABORTED = 1 << 16  # remembered aborted ids (to drop their late messages), oldest forgotten first
 # seconds `flush` blocks between pumps: bounds how late it notices a deadline or a peer's disconnect
 _MAX_WAIT = 0.005
-
-
-@dataclass(slots=True)
-class ZmqConfig:
-    token: str  # the cluster token; both peers hold the same one
-    send_timeout: float = 5.0  # seconds a message may wait for the peer to accept it
-    sndhwm: int = 8  # messages (a whole request, or one streamed piece) ZMQ queues per peer
-    rcvhwm: int = 8  # and on the receive side
-    linger_ms: int = 1000  # how long close() may wait to flush accepted messages
-    # a whole request leaves in messages of about this many payload bytes, so the receiver checks
-    # one while the next is on the wire and the sender checksums the next while ZMQ sends one
-    message_bytes: int = 32 << 20
-    # ... except its first and last messages: the wire waits for the first one's checksums and the
-    # receiver checks the last one after the wire is done, so sizes ramp up from this (doubling)
-    # and down to it at the end (_message_sizes)
-    edge_message_bytes: int = 2 << 20
-    # frames checksummed in parallel on each side (numpy's sums drop the GIL): ~7 GB/s a core, so
-    # two outrun the socket (~3-4 GB/s). NOTE: more cost the prefill process dearly: every thread
-    # takes the GIL back between numpy calls, and a host-bound eager forward streaming its layers
-    # waits for it at every launch -- on the H200 host, 2048 tokens streamed took 171.6 / 144.7 /
-    # 123.6 ms (start -> pages in) with 8 / 2 / 1 threads, and with 2 the bench's throughput rows
-    # were all >= 0.77x the socket (RESULTS.md session 4)
-    checksum_threads: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))
-    # a receiver makes glibc keep up to this many freed bytes for reuse (process-wide, see the
-    # module docstring; < 2 GiB: mallopt takes an int); None: leave malloc alone (e.g. not glibc)
-    malloc_retain_bytes: int | None = 1 << 30
-
-    def __post_init__(self) -> None:
-        if not self.token:
-            raise ValueError("ZmqConfig.token is empty: peers authenticate with the shared cluster token")
-        positive = (self.send_timeout, self.sndhwm, self.rcvhwm, self.message_bytes, self.edge_message_bytes,
-                    self.checksum_threads)
-        retain = self.malloc_retain_bytes
-        if min(positive) <= 0 or self.linger_ms < 0 or (retain is not None and not 0 < retain < 1 << 31):
-            raise ValueError(
-                "ZmqConfig: send_timeout, sndhwm, rcvhwm, message_bytes, edge_message_bytes, checksum_threads must be > 0, "
-                f"linger_ms >= 0 and malloc_retain_bytes None or in (0, 2**31) (mallopt takes an int): {self}"
-            )
 
 
 @dataclass(slots=True)
@@ -152,7 +112,7 @@ class ZmqConnector(StreamingConnector):
         if bind is not None:
             assert reservations is not None
             if config.malloc_retain_bytes is not None:
-                _retain_freed_memory(config.malloc_retain_bytes)
+                retain_freed_memory(config.malloc_retain_bytes)
             pull = self._ctx.socket(zmq.PULL)
             pull.setsockopt(zmq.RCVHWM, config.rcvhwm)
             pull.setsockopt(zmq.LINGER, 0)  # unread messages of a closing receiver are dropped
@@ -466,24 +426,3 @@ def _frame(part: bytes | memoryview) -> zmq.Frame:
     if memoryview(part).nbytes < _COPY_BELOW:
         return zmq.Frame(part)
     return zmq.Frame(part, copy=False, track=True)
-
-
-# glibc's mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-_HEAP_MAX = 64 << 20  # a thread arena's heap on 64-bit hosts; glibc's mmap threshold is at most half
-
-
-def _retain_freed_memory(retain_bytes: int) -> None:
-    """Make glibc malloc reuse freed receive buffers instead of faulting in fresh pages each request.
-
-    Frames below 32 MB come from the heap, not mmap; up to `retain_bytes` of freed heap stay mapped;
-    a top pad of a whole heap, since libzmq's I/O thread allocates in a thread arena, whose 64 MB
-    heaps glibc unmaps as soon as they are empty unless the pad forbids it. Process-wide, idempotent."""
-    # NOTE: the process's own symbols include the C library's; find_library would run ldconfig
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is None:
-        raise RuntimeError("this C library has no mallopt (not glibc?): set ZmqConfig.malloc_retain_bytes=None")
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    for param, value in ((_M_MMAP_THRESHOLD, _HEAP_MAX // 2), (_M_TRIM_THRESHOLD, retain_bytes), (_M_TOP_PAD, _HEAP_MAX)):
-        if mallopt(param, value) != 1:
-            raise RuntimeError(f"mallopt({param}, {value}) failed: set ZmqConfig.malloc_retain_bytes=None")
