@@ -68,7 +68,7 @@ class SSDConfig:
     cb_block: int = 64  # rows and columns of C B^T per program of the CB kernel
     cb_warps: int = 4
     # the scan's C, B and x tiles through TMA descriptors (no per-element addresses or masks) where
-    # the layout allows it (`_scan_descriptors`) and the batch has at least scan_tma_min_tokens
+    # the layout allows it (`_tma_readable`) and the batch has at least scan_tma_min_tokens
     # tokens; else the pointer loads. 2-6% faster at 1x32768, 16x1024 and 1x8192 on the H200, same
     # results; but the descriptors cost the host ~40 us a launch, which a short eager scan (1x2048:
     # 0.14 -> 0.18 ms) does not hide (benchmarks/RESULTS.md, session 11)
@@ -109,25 +109,19 @@ def _block(n: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(n)))
 
 
-def _scan_descriptors(x: Tensor, B: Tensor, C: Tensor, block_m: int, block_k: int, block_p: int,
-                      block_n: int) -> tuple[TensorDescriptor, TensorDescriptor, TensorDescriptor] | None:
-    """TMA descriptors of x as [T, H * P] and B, C as [T, G * N], or None where TMA cannot read
-    them: a head's or a group's tile must be exactly P or N wide (a wider one would read the next
-    head or group), and TMA needs 16-byte aligned bases and row strides, unit inner strides."""
-    T, H, P = x.shape
-    N = B.shape[2]
+def _tma_readable(x: Tensor, B: Tensor, C: Tensor, block_p: int, block_n: int) -> bool:
+    """Whether TMA descriptors can read x as [T, H * P] and B, C as [T, G * N]: a head's or a
+    group's tile must be exactly P or N wide (a wider one would read the next head or group), and
+    TMA needs 16-byte aligned bases and row strides, unit inner strides."""
+    P, N = x.shape[2], B.shape[2]
     if (P, N) != (block_p, block_n):
-        return None
-    for t, inner in ((x, P), (B, N), (C, N)):
-        if (t.stride(2) != 1 or t.stride(1) != inner or t.data_ptr() % 16
-                or (t.stride(0) * t.element_size()) % 16):
-            return None
-    return (TensorDescriptor(x, [T, H * P], [x.stride(0), 1], [block_k, P]), _descriptor(B, block_k, N),
-            _descriptor(C, block_m, N))
+        return False
+    return all(t.stride(2) == 1 and t.stride(1) == inner and t.data_ptr() % 16 == 0
+               and (t.stride(0) * t.element_size()) % 16 == 0 for t, inner in ((x, P), (B, N), (C, N)))
 
 
 def _descriptor(t: Tensor, rows: int, cols: int) -> TensorDescriptor:
-    """A TMA descriptor of `t` [T, G, N] as [T, G * N], tiles of [rows, cols]."""
+    """A TMA descriptor of `t` [T, H, P] (or [T, G, N]) as [T, H * P], tiles of [rows, cols]."""
     return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [rows, cols])
 
 
@@ -223,16 +217,17 @@ def ssd_scan_with_config(
     BP, BN = _block(P, 256), _block(N, 256)
     state_bn = _block(N, cfg.state_block_n)
     state_bk = _block(Q, cfg.state_block_k)
-    # NOTE: a state program's B tile must stay in its group: dstate a whole number of its blocks
-    state_descs = (_scan_descriptors(x, B, C, state_bk, state_bk, BP, BN)
-                   if cfg.state_tma and T >= cfg.scan_tma_min_tokens and N % state_bn == 0 else None)
-    sx_desc, sB_desc = (state_descs[0], _descriptor(B, state_bk, state_bn)) if state_descs else (x, B)
+    # NOTE: the descriptors cost the host ~40 us a launch (a short eager scan shows it); a state
+    # program's B tile must stay in its group: dstate a whole number of its blocks
+    long_enough = T >= cfg.scan_tma_min_tokens and _tma_readable(x, B, C, BP, BN)
+    state_tma = cfg.state_tma and long_enough and N % state_bn == 0
+    sx_desc, sB_desc = (_descriptor(x, state_bk, P), _descriptor(B, state_bk, state_bn)) if state_tma else (x, B)
     _ssd_chunk_state_kernel[(H, K, triton.cdiv(N, state_bn))](
         x, dt, A, dt_bias, B, chunk_info, dt_buf, cs_buf, states, sx_desc, sB_desc,
         K, H, P, N, H // G, lo if has_limit else 0.0, hi if has_limit else 0.0,
         x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1),
         CHUNK=Q, CHUNK_PAD=triton.next_power_of_2(Q), HAS_DT_BIAS=dt_bias is not None,
-        DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit, REREAD=cfg.state_reread, TMA=state_descs is not None,
+        DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit, REREAD=cfg.state_reread, TMA=state_tma,
         BLOCK_K=state_bk, BLOCK_P=BP, BLOCK_N=state_bn,
         num_warps=cfg.state_warps, num_stages=cfg.state_stages, **dot,
     )
@@ -276,15 +271,15 @@ def ssd_scan_with_config(
     heads = cfg.scan_heads if (H // G) % cfg.scan_heads == 0 else 1
     # NOTE: one program's heads must lie in one group; else fall back to one set per program
     loop = cfg.scan_head_loop if (H // G) % (heads * cfg.scan_head_loop) == 0 else 1
-    tma = cfg.scan_tma and T >= cfg.scan_tma_min_tokens
-    descs = _scan_descriptors(x, B, C, block_m, block_k, BP, BN) if tma else None
-    x_desc, B_desc, C_desc = descs or (x, B, C)  # unused without TMA
+    scan_tma = cfg.scan_tma and long_enough
+    x_desc, B_desc, C_desc = ((_descriptor(x, block_k, P), _descriptor(B, block_k, N), _descriptor(C, block_m, N))
+                              if scan_tma else (x, B, C))  # unused without TMA
     _ssd_chunk_scan_kernel[(H // (heads * loop), triton.cdiv(Q, block_m), K)](
         x, B, C, D, dt_buf, cs_buf, starts, chunk_info, cb, out, x_desc, B_desc, C_desc,
         K, H, P, N, H // G, G,
         x.stride(0), x.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
         out.stride(0), out.stride(1),
-        CHUNK=Q, HAS_D=D is not None, HEADS=heads, HEAD_LOOP=loop, CB_LOADED=cb_loaded, CB_WHOLE_TILES=whole_tiles, TMA=descs is not None, BLOCK_M=block_m, BLOCK_K=block_k,
+        CHUNK=Q, HAS_D=D is not None, HEADS=heads, HEAD_LOOP=loop, CB_LOADED=cb_loaded, CB_WHOLE_TILES=whole_tiles, TMA=scan_tma, BLOCK_M=block_m, BLOCK_K=block_k,
         BLOCK_P=BP, BLOCK_N=BN, num_warps=cfg.scan_warps, num_stages=cfg.scan_stages, maxnreg=cfg.scan_maxnreg, **dot,
     )
     if not return_boundary_states:
