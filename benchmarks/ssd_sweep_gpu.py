@@ -106,6 +106,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "tma cb_low": dict(scan_cb="low"),
     # the chunk-state kernel's tiles through TMA too (default since; "no state_tma" the one before)
     "no state_tma": dict(state_tma=False),
+    # session 12: chunk states and their passing in one serial program per (head, sequence, dstate
+    # block) walking the sequence in steps (ssd_triton_serial.py). Offline ptxas, sm_90 (registers /
+    # shared KB, programs per SM): BN128 BK64 w4 s3 234 / 72, 2; BN64 121-128 / 48, 4; BK32 s4 233 /
+    # 52, 2; BN128 BK64 w8 138 / 80, 1; BK128 w8 s2 156 / 96, 1; whole chunks BK256 w8 s2 255 / 176, 1
+    "serial": dict(state_serial=True),
+    "serial bn64": dict(state_serial=True, serial_block_n=64),
+    "serial bk32 s4": dict(state_serial=True, serial_block_k=32, serial_stages=4),
+    "serial w8": dict(state_serial=True, serial_warps=8),
+    "serial bk128 w8 s2": dict(state_serial=True, serial_block_k=128, serial_warps=8, serial_stages=2),
+    "serial whole chunks": dict(state_serial=True, serial_block_k=256, serial_warps=8, serial_stages=2),
+    "serial pointers": dict(state_serial=True, state_tma=False),
 }
 if OPTS.only:
     VARIANTS = {k: v for k, v in VARIANTS.items() if k in OPTS.only.split(",")}

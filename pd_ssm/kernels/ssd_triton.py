@@ -1,10 +1,11 @@
 """Triton launcher of the Mamba2 SSD chunked scan over a varlen batch.
 
 Same contract as `ssd.mamba_chunk_scan_varlen_ref` (signature, semantics, ScanOutput); the kernels
-are in `ssd_triton_kernels.py`, `ssd_triton_bmm.py` and `ssd_triton_scan.py`. Four launches: chunk
-metadata, chunk states (dt' and its cumsum fused in), state passing along each sequence, chunk scan
-(the C B^T product fused in); with SSDConfig.scan_cb != "fused", a fifth launch makes C B^T once per
-(chunk, group) and the scan loads it.
+are in `ssd_triton_kernels.py`, `ssd_triton_serial.py`, `ssd_triton_bmm.py` and `ssd_triton_scan.py`.
+Four launches: chunk metadata, chunk states (dt' and its cumsum fused in), state passing along each
+sequence, chunk scan (the C B^T product fused in). With SSDConfig.state_serial the middle two are
+one launch that walks each sequence; with SSDConfig.scan_cb != "fused", one more launch makes
+C B^T once per (chunk, group) and the scan loads it.
 
 No host synchronization unless return_boundary_states is set: the logical-chunk grid is sized by
 an upper bound computed from shapes alone, and programs past the real count exit at once. The
@@ -32,6 +33,7 @@ from pd_ssm.kernels.ssd_triton_kernels import (
     _ssd_state_passing_kernel,
 )
 from pd_ssm.kernels.ssd_triton_scan import _ssd_chunk_scan_kernel
+from pd_ssm.kernels.ssd_triton_serial import _ssd_state_serial_kernel
 
 # the interpreter replaces @triton.jit functions at import when TRITON_INTERPRET=1
 _INTERPRETED = isinstance(_ssd_chunk_scan_kernel, InterpretedFunction)
@@ -75,6 +77,16 @@ class SSDConfig:
     scan_tma: bool = True
     scan_tma_min_tokens: int = 4096
     state_tma: bool = True  # the same for the chunk-state kernel's x and B tiles (same threshold): 1-3% more
+    # chunk states and state passing in one launch, one program per (head, sequence, dstate block)
+    # walking the sequence's chunks (ssd_triton_serial.py): no fp32 chunk-state round trip, fewer
+    # programs. Its x and B tiles go through TMA descriptors under scan_tma's conditions and state_tma.
+    # Off until timed on the GPU (built in session 12 without device time; NOTES_ssd.md says what
+    # to measure)
+    state_serial: bool = False
+    serial_block_n: int = 128  # dstate columns per serial program
+    serial_block_k: int = 64  # tokens a step of the serial program (a power of two dividing the chunk)
+    serial_warps: int = 4
+    serial_stages: int = 3
 
     def __post_init__(self) -> None:
         if self.scan_cb not in ("fused", "fp32", "low"):
@@ -107,6 +119,15 @@ def max_logical_chunks(num_tokens: int, num_seqs: int, chunk_size: int) -> int:
 def _block(n: int, cap: int) -> int:
     # tl.dot needs every dimension >= 16
     return max(16, min(cap, triton.next_power_of_2(n)))
+
+
+def _serial_step(chunk: int, cap: int) -> tuple[int, int]:
+    """(tokens a step, tile rows) of the serial state kernel: steps of a power of two (>= 16 for
+    tl.dot, <= cap) that divides the chunk, else the whole chunk in one tile of its padded size."""
+    bk = _block(chunk, cap)
+    if bk < chunk and chunk % bk == 0:
+        return bk, bk
+    return chunk, triton.next_power_of_2(max(chunk, 16))
 
 
 def _tma_readable(x: Tensor, B: Tensor, C: Tensor, block_p: int, block_n: int) -> bool:
@@ -199,9 +220,11 @@ def ssd_scan_with_config(
     # NOTE: low chunk states halve the largest round trip (K H P N values written, then read);
     # each is rounded once, before the fp32 sum along the sequence
     low_states = cfg.chunk_states_low and dot_dtype != torch.float32
-    work = torch.empty(2 * H * K * Q + (0 if low_states else K * H * PN), dtype=torch.float32, device=dev)
-    dt_buf, cs_buf, states = work.split([H * K * Q, H * K * Q, 0 if low_states else K * H * PN])
-    if low_states:
+    serial = cfg.state_serial
+    own_states = 0 if low_states or serial else K * H * PN  # fp32 chunk end states (two-kernel path)
+    work = torch.empty(2 * H * K * Q + own_states, dtype=torch.float32, device=dev)
+    dt_buf, cs_buf, states = work.split([H * K * Q, H * K * Q, own_states])
+    if low_states and not serial:
         states = torch.empty(K * H * PN, dtype=dot_dtype, device=dev)  # each chunk's own end state
     starts = torch.empty(K * H * PN, dtype=dot_dtype, device=dev)  # the state entering each chunk
 
@@ -209,42 +232,59 @@ def ssd_scan_with_config(
         cu_seqlens, context_lens, chunk_info, seq_first, seq_end, bcu,
         S, K, Q, S.bit_length(), BLOCK=256, num_warps=4,
     )
-
-    lo, hi = float(dt_limit[0]), float(dt_limit[1])
-    has_limit = (lo, hi) != NO_DT_LIMIT
-    dot = dict(DOT_DTYPE=_DOT_DTYPES[dot_dtype], DOT_PRECISION="ieee" if dot_dtype == torch.float32 else "tf32",
-               INTERPRETED=_INTERPRETED)
-    BP, BN = _block(P, 256), _block(N, 256)
-    state_bn = _block(N, cfg.state_block_n)
-    state_bk = _block(Q, cfg.state_block_k)
-    # NOTE: the descriptors cost the host ~40 us a launch (a short eager scan shows it); a state
-    # program's B tile must stay in its group: dstate a whole number of its blocks
-    long_enough = T >= cfg.scan_tma_min_tokens and _tma_readable(x, B, C, BP, BN)
-    state_tma = cfg.state_tma and long_enough and N % state_bn == 0
-    sx_desc, sB_desc = (_descriptor(x, state_bk, P), _descriptor(B, state_bk, state_bn)) if state_tma else (x, B)
-    _ssd_chunk_state_kernel[(H, K, triton.cdiv(N, state_bn))](
-        x, dt, A, dt_bias, B, chunk_info, dt_buf, cs_buf, states, sx_desc, sB_desc,
-        K, H, P, N, H // G, lo if has_limit else 0.0, hi if has_limit else 0.0,
-        x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1),
-        CHUNK=Q, CHUNK_PAD=triton.next_power_of_2(Q), HAS_DT_BIAS=dt_bias is not None,
-        DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit, REREAD=cfg.state_reread, TMA=state_tma,
-        BLOCK_K=state_bk, BLOCK_P=BP, BLOCK_N=state_bn,
-        num_warps=cfg.state_warps, num_stages=cfg.state_stages, **dot,
-    )
-
     if return_boundary_states:
         # NOTE: the one host synchronization: the count of boundary states sizes the output
         nb = int(bcu[S])
         bstates = torch.empty((nb, H, P, N), dtype=torch.float32, device=dev)
     else:
-        bstates = states  # never written: RETURN_BOUNDARY is off
-    pass_block = min(cfg.pass_block, triton.next_power_of_2(PN))
-    _ssd_state_passing_kernel[(triton.cdiv(PN, pass_block), S, H)](
-        states, cs_buf, chunk_info, seq_first, seq_end, state_indices, has_initial_state,
-        starts, ssm_state, bstates, K, H, PN,
-        CHUNK=Q, RETURN_BOUNDARY=return_boundary_states, INTERPRETED=_INTERPRETED, BLOCK=pass_block,
-        num_warps=cfg.pass_warps,
-    )
+        bstates = starts  # never written: RETURN_BOUNDARY is off
+
+    lo, hi = float(dt_limit[0]), float(dt_limit[1])
+    has_limit = (lo, hi) != NO_DT_LIMIT
+    dot = dict(DOT_DTYPE=_DOT_DTYPES[dot_dtype], DOT_PRECISION="ieee" if dot_dtype == torch.float32 else "tf32",
+               INTERPRETED=_INTERPRETED)
+    dt_args = dict(CHUNK=Q, CHUNK_PAD=triton.next_power_of_2(Q), HAS_DT_BIAS=dt_bias is not None,
+                   DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit)
+    BP, BN = _block(P, 256), _block(N, 256)
+    # NOTE: the descriptors cost the host ~40 us a launch (a short eager scan shows it)
+    long_enough = T >= cfg.scan_tma_min_tokens and _tma_readable(x, B, C, BP, BN)
+    if serial:
+        serial_bn = _block(N, cfg.serial_block_n)
+        step, serial_bk = _serial_step(Q, cfg.serial_block_k)
+        # NOTE: TMA boxes reach 256 rows; a serial program's B tile must stay in its group:
+        # dstate a whole number of its blocks
+        serial_tma = cfg.state_tma and long_enough and N % serial_bn == 0 and serial_bk <= 256
+        sx_desc, sB_desc = ((_descriptor(x, serial_bk, P), _descriptor(B, serial_bk, serial_bn)) if serial_tma
+                            else (x, B))
+        _ssd_state_serial_kernel[(H, S, triton.cdiv(N, serial_bn))](
+            x, dt, A, dt_bias, B, cu_seqlens, context_lens, seq_first, bcu, state_indices, has_initial_state,
+            dt_buf, cs_buf, starts, ssm_state, bstates, sx_desc, sB_desc,
+            K, H, P, N, H // G, lo if has_limit else 0.0, hi if has_limit else 0.0,
+            x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1),
+            **dt_args, TMA=serial_tma, RETURN_BOUNDARY=return_boundary_states, STEP=step, BLOCK_K=serial_bk,
+            BLOCK_P=BP, BLOCK_N=serial_bn, num_warps=cfg.serial_warps, num_stages=cfg.serial_stages, **dot,
+        )
+    else:
+        state_bn = _block(N, cfg.state_block_n)
+        state_bk = _block(Q, cfg.state_block_k)
+        # NOTE: a state program's B tile must stay in its group: dstate a whole number of its blocks
+        state_tma = cfg.state_tma and long_enough and N % state_bn == 0
+        sx_desc, sB_desc = ((_descriptor(x, state_bk, P), _descriptor(B, state_bk, state_bn)) if state_tma
+                            else (x, B))
+        _ssd_chunk_state_kernel[(H, K, triton.cdiv(N, state_bn))](
+            x, dt, A, dt_bias, B, chunk_info, dt_buf, cs_buf, states, sx_desc, sB_desc,
+            K, H, P, N, H // G, lo if has_limit else 0.0, hi if has_limit else 0.0,
+            x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1),
+            **dt_args, REREAD=cfg.state_reread, TMA=state_tma, BLOCK_K=state_bk, BLOCK_P=BP, BLOCK_N=state_bn,
+            num_warps=cfg.state_warps, num_stages=cfg.state_stages, **dot,
+        )
+        pass_block = min(cfg.pass_block, triton.next_power_of_2(PN))
+        _ssd_state_passing_kernel[(triton.cdiv(PN, pass_block), S, H)](
+            states, cs_buf, chunk_info, seq_first, seq_end, state_indices, has_initial_state,
+            starts, ssm_state, bstates, K, H, PN,
+            CHUNK=Q, RETURN_BOUNDARY=return_boundary_states, INTERPRETED=_INTERPRETED, BLOCK=pass_block,
+            num_warps=cfg.pass_warps,
+        )
 
     cb_loaded = cfg.scan_cb != "fused"
     if cb_loaded:

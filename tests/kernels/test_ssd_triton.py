@@ -60,6 +60,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "shared_cb": dict(scan_cb="low", scan_head_loop=2, chunk_states_low=True),
     "tma": dict(scan_tma_min_tokens=0),  # TMA at every length (the default: from 4096 tokens)
     "pointers": dict(scan_tma=False, state_tma=False),  # C, B and x tiles by pointer loads, masked
+    # chunk states and their passing in one serial program per (head, sequence, dstate block), by
+    # pointer loads in steps of 16 tokens (whole chunks at the smallest chunk), and through TMA
+    # descriptors at every length in steps of up to 64 tokens
+    "serial": dict(state_serial=True, serial_block_k=16),
+    "serial_tma": dict(state_serial=True, scan_tma_min_tokens=0),
 }
 _variant: dict[str, Any] = {}
 
@@ -223,6 +228,17 @@ def test_fp32_inputs_bf16_pool() -> None:
 def test_block_configs(G: int, chunk: int, config: SSDConfig) -> None:
     run_case([1, 9, 30], [0, 3, 12], [False, True, True], G=G, seed=21, chunk=chunk, dstate=2 * N,
              config=config)
+
+
+@pytest.mark.parametrize("block_k", [16, 4 * CHUNK])
+def test_serial_state_steps_within_a_chunk(block_k: int) -> None:
+    # chunks of 4 steps (or one whole step): short first chunks after mid-chunk histories, sequences
+    # ending a step, a chunk or a token past a boundary, one shorter than a step
+    config = SSDConfig(state_serial=True, serial_block_k=block_k, serial_block_n=N // 2)
+    run_case([3, 70, 64, 17, 129], [0, 9, 64, 50, 31], [True, False, True, True, True], G=2, seed=22,
+             chunk=4 * CHUNK, dstate=N, config=config)
+    run_case([3, 70, 64, 17, 129], [0, 9, 64, 50, 31], [True, False, True, True, True], G=2, seed=22,
+             chunk=4 * CHUNK, dtype=torch.bfloat16, pool_dtype=torch.bfloat16, config=config)
 
 
 def test_logical_chunk_bound_holds() -> None:

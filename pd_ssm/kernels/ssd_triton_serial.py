@@ -1,0 +1,131 @@
+"""The SSD's chunk states and their passing along each sequence in one launch, one program per
+(head, sequence, dstate block) walking the sequence's chunks in order.
+
+Replaces `_ssd_chunk_state_kernel` + `_ssd_state_passing_kernel` (ssd_triton_kernels.py) where
+SSDConfig.state_serial is set. Those two write each chunk's own end state [K, H, P, N] in fp32 and
+read it back (0.67 GB at 1 x 32768 on Mamba2-2.7B shapes, a quarter of the scan's traffic); here a
+chunk's end state lives only in registers: the program adds it to the running state it carries and
+stores just the state entering each chunk, which the scan needs anyway. The price is parallelism:
+H * S * (N / BLOCK_N) programs, each sequential over its sequence's chunks; the chunks' loads do
+not depend on the running state, so the loop's software pipeline fetches chunk j + 1 while chunk j
+is reduced.
+
+The loop runs over steps of STEP tokens (a whole chunk, or CHUNK / STEP steps of one), counted so
+that no step lies wholly past a chunk's end: a sequence starting mid-chunk has a short first
+chunk, its last chunk may be short. A step of tokens [a, a + STEP) of a chunk:
+  dt'   = clamp(softplus(dt + dt_bias))             0 past the chunk's L; stored to dt_buf
+  cs    = the chunk's running sum of dt' * A         flat past L; stored to cs_buf
+  state = e^{d} state + x^T diag(dt' e^{cs_b - cs}) B   d = the step's own sum of dt' * A, cs_b its
+                                                         last running sum; fp32 accumulation
+which is the chunk-end formula taken a step at a time (every e^{...} is of a sum <= 0). The state
+entering a chunk is stored (dot dtype) at its first step for the scan; at its last step the rest of
+dt_buf / cs_buf up to CHUNK is filled (0 / flat) as the two-kernel path leaves it, and a boundary
+state (a chunk ending on an absolute multiple of CHUNK) is stored when asked for. The final state
+goes to the pool slot in place.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from pd_ssm.kernels.ssd_triton_kernels import _cast, _dot, _dt_block
+
+
+@triton.jit(do_not_specialize=["K_max"])
+def _ssd_state_serial_kernel(
+    # pointers
+    x_ptr, dt_ptr, A_ptr, dt_bias_ptr, B_ptr, cu_ptr, ctx_ptr, seq_first_ptr, bcu_ptr, state_idx_ptr,
+    has_init_ptr,  # inputs
+    dt_buf_ptr, cs_buf_ptr, starts_ptr, pool_ptr, bstates_ptr,  # outputs (pool in place)
+    x_desc, B_desc,  # when TMA: x as [T, H * P], B as [T, G * N] (else unused)
+    # dimensions
+    K_max, nheads, headdim, dstate, heads_per_group, dt_min, dt_max,
+    # strides (token, head / group); the last axes have stride 1
+    stride_x_t, stride_x_h, stride_dt_t, stride_dt_h, stride_B_t, stride_B_g,
+    # meta-parameters
+    CHUNK: tl.constexpr, CHUNK_PAD: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+    HAS_DT_LIMIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr, TMA: tl.constexpr, RETURN_BOUNDARY: tl.constexpr,
+    STEP: tl.constexpr,  # tokens a step: CHUNK, or a power of two dividing it
+    BLOCK_K: tl.constexpr,  # rows of a step's tiles: STEP, or CHUNK_PAD when STEP is CHUNK
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    h = tl.program_id(0)
+    s = tl.program_id(1)
+    nb = tl.program_id(2)
+    first = tl.load(seq_first_ptr + s)
+    c0 = tl.load(cu_ptr + s)
+    c1 = tl.load(cu_ptr + s + 1)
+    r = tl.load(ctx_ptr + s) % CHUNK  # a mid-chunk start makes the first chunk CHUNK - r long
+    b0 = tl.load(bcu_ptr + s)
+    nbound = tl.load(bcu_ptr + s + 1) - b0  # the first nbound chunks end on an absolute boundary
+    A_h = tl.load(A_ptr + h)
+    g = h // heads_per_group
+    PN = headdim * dstate
+    SUBS: tl.constexpr = CHUNK // STEP  # steps in a whole chunk
+    L0 = tl.minimum(CHUNK - r, c1 - c0)  # the first chunk's length
+    f = (L0 + STEP - 1) // STEP  # its steps; every later chunk but the last is whole
+    steps = f + (c1 - c0 - L0 + STEP - 1) // STEP
+
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    mpn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
+    tile = offs_p[:, None] * dstate + offs_n[None, :]
+    slot = tl.load(state_idx_ptr + s).to(tl.int64)
+    pool_ptrs = pool_ptr + (slot * nheads + h) * PN + tile
+    state = tl.load(pool_ptrs, mask=mpn & (tl.load(has_init_ptr + s) != 0), other=0.0).to(tl.float32)
+
+    step = tl.arange(0, BLOCK_K)
+    tok = tl.arange(0, CHUNK_PAD)
+    carry = tl.zeros([], dtype=tl.float32)  # the chunk's running sum before this step
+    for it in range(0, steps):
+        # (chunk j of the sequence, step i of the chunk) from the step count alone, so that the
+        # loop's loads depend on nothing loaded in the loop and can be fetched ahead
+        later = it >= f
+        j = tl.where(later, 1 + (it - f) // SUBS, 0)
+        i = tl.where(later, (it - f) % SUBS, it)
+        t0 = c0 + tl.maximum(j * CHUNK - r, 0)
+        L = tl.minimum(c0 + (j + 1) * CHUNK - r, c1) - t0
+        k = (first + j).to(tl.int64)
+        pos = i * STEP + step
+        live = pos < L
+        row = t0 + i * STEP
+        dt_s = _dt_block(dt_ptr + (row.to(tl.int64) + step) * stride_dt_t + h * stride_dt_h, live, dt_bias_ptr, h,
+                         dt_min, dt_max, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT)
+        cs_s = tl.cumsum(dt_s * A_h, 0)  # from the step's start
+        d = tl.sum(tl.where(step == BLOCK_K - 1, cs_s, 0.0), 0)  # the step's sum (flat past L)
+        carry = tl.where(i == 0, 0.0, carry)
+        buf = (h * K_max + k) * CHUNK
+        keep = (pos < CHUNK) & (nb == 0)  # every dstate block computes them; one stores
+        tl.store(dt_buf_ptr + buf + pos, dt_s, mask=keep)
+        tl.store(cs_buf_ptr + buf + pos, cs_s + carry, mask=keep)
+        end = (i + 1) * STEP >= L  # the chunk's last step
+        if SUBS > 1:
+            if end:
+                rest = (tok >= (i + 1) * STEP) & (tok < CHUNK) & (nb == 0)
+                tl.store(dt_buf_ptr + buf + tok, tl.zeros([CHUNK_PAD], dtype=tl.float32), mask=rest)
+                tl.store(cs_buf_ptr + buf + tok, tl.zeros([CHUNK_PAD], dtype=tl.float32) + (carry + d), mask=rest)
+        carry += d
+        w = dt_s * tl.exp(d - cs_s)  # [BLOCK_K], 0 past L
+        if TMA:
+            # NOTE: whole tiles, zero past the last token; the tokens past L (the next sequence's)
+            # get w = 0, so they add nothing (the launcher checks the tiles are P and N wide)
+            xT = tl.trans(x_desc.load([row, h * headdim]))  # [BLOCK_P, BLOCK_K]
+            Bk = B_desc.load([row, g * dstate + nb * BLOCK_N])  # [BLOCK_K, BLOCK_N]
+        else:
+            rows = row.to(tl.int64) + step
+            xT = tl.load(x_ptr + h * stride_x_h + offs_p[:, None] + rows[None, :] * stride_x_t,
+                         mask=(offs_p[:, None] < headdim) & live[None, :], other=0.0)
+            Bk = tl.load(B_ptr + g * stride_B_g + rows[:, None] * stride_B_t + offs_n[None, :],
+                         mask=live[:, None] & (offs_n[None, :] < dstate), other=0.0)
+        if i == 0:
+            tl.store(starts_ptr + (k * nheads + h) * PN + tile, _cast(state, starts_ptr.dtype.element_ty, INTERPRETED),
+                     mask=mpn)
+        xw = _cast(xT.to(tl.float32) * w[None, :], DOT_DTYPE, INTERPRETED)
+        state = _dot(xw, _cast(Bk, DOT_DTYPE, INTERPRETED), state * tl.exp(d), DOT_PRECISION, INTERPRETED)
+        if RETURN_BOUNDARY:
+            if end:
+                brow = (b0 + j).to(tl.int64)
+                tl.store(bstates_ptr + (brow * nheads + h) * PN + tile, state, mask=mpn & (j < nbound))
+    tl.store(pool_ptrs, _cast(state, pool_ptr.dtype.element_ty, INTERPRETED), mask=mpn)
