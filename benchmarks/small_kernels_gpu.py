@@ -38,14 +38,13 @@ from pd_ssm.kernels.attention import (  # noqa: E402
     varlen_prefill_attention_ref,
     write_kv_cache_ref,
 )
-from pd_ssm.kernels.attention_triton import (  # noqa: E402
+from pd_ssm.kernels.attention_decode_triton import (  # noqa: E402
     DecodeConfig,
     default_decode_config,
     launch_decode,
     paged_decode_attention_triton,
-    varlen_prefill_attention_triton,
-    write_kv_cache_triton,
 )
+from pd_ssm.kernels.attention_prefill_triton import varlen_prefill_attention_triton  # noqa: E402
 from pd_ssm.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref  # noqa: E402
 from pd_ssm.kernels.conv1d_triton import (  # noqa: E402
     VARLEN_TILE,
@@ -54,6 +53,7 @@ from pd_ssm.kernels.conv1d_triton import (  # noqa: E402
     causal_conv1d_varlen_triton,
     launch_conv_varlen,
 )
+from pd_ssm.kernels.kv_write_triton import write_kv_cache_triton  # noqa: E402
 from pd_ssm.kernels.rmsnorm import rms_norm_gated_ref, rms_norm_ref  # noqa: E402
 from pd_ssm.kernels.rmsnorm_triton import rms_norm_gated_triton, rms_norm_triton  # noqa: E402
 from pd_ssm.kernels.ssu import selective_state_update_ref  # noqa: E402

@@ -18,8 +18,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pd_ssm.kernels._device import on_device
 from pd_ssm.kernels.conv1d import _check_conv_args
-from pd_ssm.kernels.conv1d_triton_varlen import _on_device, _silu_in
+from pd_ssm.kernels.conv1d_triton_varlen import _silu_in
 from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 
 
@@ -134,7 +135,7 @@ def launch_conv_update(
     # other has yet to read), so the block never has fewer channels than threads
     num_warps = max(1, min(tile.num_warps, block_d // 32))
     pdl = use_pdl(x)
-    with _on_device(x):
+    with on_device(x):
         _conv_update_kernel[(triton.cdiv(dim, block_d), B)](
             x, weight, bias, conv_state, state_indices.contiguous(), out,
             dim,

@@ -20,7 +20,6 @@ rows and touches no slot; a negative slot (padding) reads zeros as history and w
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
 from typing import NamedTuple
 
 import torch
@@ -29,12 +28,8 @@ import triton.language as tl
 from torch import Tensor
 
 from pd_ssm.kernels._checks import check_dtype, check_ndim, check_same_device, check_shape
+from pd_ssm.kernels._device import on_device
 from pd_ssm.kernels.conv1d import _check_conv_args
-
-
-def _on_device(t: Tensor) -> AbstractContextManager[object]:
-    # NOTE: Triton launches on the current CUDA device, which need not be the tensors' one
-    return torch.cuda.device(t.device) if t.is_cuda else nullcontext()
 
 
 @triton.jit
@@ -252,7 +247,7 @@ def launch_conv_varlen(
     out = torch.empty_like(x, memory_format=torch.contiguous_format)  # [T, dim]
     block_d = min(tile.block_d, triton.next_power_of_2(dim))
     meta = dict(WIDTH=width, HAS_BIAS=bias is not None, SILU=activation == "silu", FAST_EXP=x.is_cuda)
-    with _on_device(x):
+    with on_device(x):
         if T > 0:
             _conv_stencil_kernel[(triton.cdiv(dim, block_d) * triton.cdiv(T, tile.block_t),)](
                 x, weight, bias, out,

@@ -89,13 +89,11 @@ _TORCH_KERNELS: Mapping[str, Callable[..., Any]] = MappingProxyType({
 
 def _triton_kernels() -> dict[str, Callable[..., Any]]:
     """The Triton implementations, imported on first use (importing them loads Triton)."""
-    from pd_ssm.kernels.attention_triton import (
-        paged_decode_attention_triton,
-        varlen_prefill_attention_triton,
-        write_kv_cache_triton,
-    )
+    from pd_ssm.kernels.attention_decode_triton import paged_decode_attention_triton
+    from pd_ssm.kernels.attention_prefill_triton import varlen_prefill_attention_triton
     from pd_ssm.kernels.conv1d_triton import causal_conv1d_update_triton, causal_conv1d_varlen_triton
     from pd_ssm.kernels.in_proj_conv_triton import in_proj_conv_triton
+    from pd_ssm.kernels.kv_write_triton import write_kv_cache_triton
     from pd_ssm.kernels.mixer_decode_triton import mamba2_decode_step_triton
     from pd_ssm.kernels.rmsnorm_triton import (
         add_rms_norm_triton,

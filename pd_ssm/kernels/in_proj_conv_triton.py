@@ -20,9 +20,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pd_ssm.kernels._device import on_device
 from pd_ssm.kernels.conv1d import _check_conv_args
 from pd_ssm.kernels.conv1d_triton_update import causal_conv1d_update_triton
-from pd_ssm.kernels.conv1d_triton_varlen import _on_device, _silu_in
+from pd_ssm.kernels.conv1d_triton_varlen import _silu_in
 from pd_ssm.kernels.pdl import launch_options, use_pdl
 from pd_ssm.kernels.skinny_linear_triton import fma_gemv_row, fma_tile, gemv_serves, linear_triton
 
@@ -120,7 +121,7 @@ def in_proj_conv_triton(
     xbc = torch.empty((1, conv_dim), dtype=hidden.dtype, device=hidden.device)  # [1, conv_dim]
     t = fma_tile(N)
     pdl = use_pdl(hidden)
-    with _on_device(hidden):
+    with on_device(hidden):
         _in_proj_conv_kernel[(triton.cdiv(N, t.block_n),)](
             hidden, weight, bias, proj, conv_state, state_indices.contiguous(), conv_weight, conv_bias, xbc,
             N, K, conv_start, conv_dim,

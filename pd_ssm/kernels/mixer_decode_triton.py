@@ -22,13 +22,14 @@ import triton.language as tl
 from torch import Tensor
 
 from pd_ssm.kernels._checks import check_last_dim_contiguous, check_shape
+from pd_ssm.kernels._device import on_device
 from pd_ssm.kernels.conv1d import _check_conv_args
 from pd_ssm.kernels.conv1d_triton_update import default_update_tile, launch_conv_update
 from pd_ssm.kernels.mixer_decode import check_mixer_decode_args
 from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 from pd_ssm.kernels.rmsnorm import GatedSquares
 from pd_ssm.kernels.ssu import check_ssu_args
-from pd_ssm.kernels.ssu_triton import SSUConfig, _on_device, _softplus
+from pd_ssm.kernels.ssu_triton import SSUConfig, _softplus
 from pd_ssm.kernels.ssu_triton import default_config as ssu_config
 
 
@@ -173,7 +174,7 @@ def launch_decode_step(
         xbc = launch_conv_update(proj[:, d_inner:d_inner + conv_dim], conv_state, conv_weight, conv_bias,
                                  state_indices, "silu", default_update_tile(Bt))  # [B, conv_dim]: x | B | C
     pdl = use_pdl(proj)
-    with _on_device(proj):
+    with on_device(proj):
         _gated_ssu_kernel[(p_tiles, H, Bt)](
             proj, xbc, ssm_state, A.contiguous(),
             None if D is None else D.contiguous(), None if dt_bias is None else dt_bias.contiguous(),

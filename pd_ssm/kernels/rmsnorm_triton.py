@@ -13,8 +13,6 @@ weight's dtype before the statistics, as `rmsnorm.add_rms_norm_ref`.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
-
 import torch
 import triton
 import triton.language as tl
@@ -23,6 +21,7 @@ from torch import Tensor
 from pd_ssm.kernels._checks import (
     check_same_device,
 )
+from pd_ssm.kernels._device import on_device
 from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 from pd_ssm.kernels.rmsnorm import (
     AddNormOutput,
@@ -37,11 +36,6 @@ from pd_ssm.kernels.rmsnorm import (
 # NOTE: a group up to this many features is held in registers (one read of x); longer groups take
 # two passes over x, the second mostly from L2
 MAX_BLOCK = 8192
-
-
-def _on_device(t: Tensor) -> AbstractContextManager[object]:
-    # NOTE: Triton launches on the current CUDA device, which need not be the tensors' one
-    return torch.cuda.device(t.device) if t.is_cuda else nullcontext()
 
 
 @triton.jit
@@ -123,7 +117,7 @@ def _launch(x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, group_si
         return out
     block = min(triton.next_power_of_2(group_size), MAX_BLOCK)
     pdl = use_pdl(x)
-    with _on_device(x):
+    with on_device(x):
         _rms_norm_kernel[(T, d // group_size)](
             # NOTE: x stands in for no gate and out for no sq, unread / unwritten
             x, x if gate is None else gate, weight.contiguous(), out, out if sq is None else sq,
@@ -259,7 +253,7 @@ def add_rms_norm_triton(x: Tensor | None, residual: Tensor, weight: Tensor, eps:
     block = min(triton.next_power_of_2(d), MAX_BLOCK)
     pdl = use_pdl(residual)
     num_warps = min(16, max(1, block // 512))
-    with _on_device(residual):
+    with on_device(residual):
         _add_rms_norm_kernel[(T,)](
             # NOTE: no x (no x_rms): residual (out) stands in, unread
             residual if x is None else x, residual, weight.contiguous(), out, res_out,

@@ -15,7 +15,6 @@ once stream contiguous memory; that order, not the tile size, is what lifted it 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
 from typing import NamedTuple
 
 import torch
@@ -23,6 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pd_ssm.kernels._device import on_device
 from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 from pd_ssm.kernels.ssd import NO_DT_LIMIT
 from pd_ssm.kernels.ssu import check_ssu_args
@@ -41,11 +41,6 @@ def default_config(headdim: int, dstate: int, state_dtype: torch.dtype) -> SSUCo
     about 5% and the eviction hint nothing (benchmarks/NOTES_small_kernels.md)."""
     rows = max(1, 8192 // (triton.next_power_of_2(dstate) * state_dtype.itemsize))
     return SSUConfig(block_p=min(triton.next_power_of_2(headdim), rows), num_warps=4)
-
-
-def _on_device(t: Tensor) -> AbstractContextManager[object]:
-    # NOTE: Triton launches on the current CUDA device, which need not be the tensors' one
-    return torch.cuda.device(t.device) if t.is_cuda else nullcontext()
 
 
 @triton.jit
@@ -173,7 +168,7 @@ def launch_ssu(
         return out
     lo, hi = float(dt_limit[0]), float(dt_limit[1])
     pdl = use_pdl(x)
-    with _on_device(x):
+    with on_device(x):
         p_tiles = triton.cdiv(P, cfg.block_p)
         grid = (p_tiles, H, Bt) if cfg.slot_major else (p_tiles, Bt, H)
         _ssu_kernel[grid](

@@ -13,19 +13,15 @@ import torch
 from kernel_oracles import cu_of, gen, i32
 from torch import Tensor
 
-from pd_ssm.kernels import attention_triton
+from pd_ssm.kernels import attention_decode_triton
 from pd_ssm.kernels.attention import (
     paged_decode_attention_ref,
     varlen_prefill_attention_ref,
     write_kv_cache_ref,
 )
-from pd_ssm.kernels.attention_triton import (
-    DecodeConfig,
-    launch_decode,
-    paged_decode_attention_triton,
-    varlen_prefill_attention_triton,
-    write_kv_cache_triton,
-)
+from pd_ssm.kernels.attention_decode_triton import DecodeConfig, launch_decode, paged_decode_attention_triton
+from pd_ssm.kernels.attention_prefill_triton import varlen_prefill_attention_triton
+from pd_ssm.kernels.kv_write_triton import write_kv_cache_triton
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -82,7 +78,7 @@ def run_decode(fn, q, kc, vc, seq_lens, tables, scale):  # type: ignore[no-untyp
 def test_decode_matches_ref(dtype: torch.dtype, heads: int, kv_heads: int, splits: str,
                             monkeypatch: pytest.MonkeyPatch) -> None:
     if splits == "many":  # as if the GPU had many SMs: every (sequence, kv head) split 16 ways or more
-        monkeypatch.setattr(attention_triton, "_num_sms", lambda device: 4096)
+        monkeypatch.setattr(attention_decode_triton, "num_sms", lambda device: 4096)
     g = gen(2)
     max_blocks = 10 if not CUDA else 40
     seq_lens = [1, 3, BLOCK, 2 * BLOCK + 1, max_blocks * BLOCK, 17]
