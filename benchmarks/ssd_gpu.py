@@ -28,7 +28,8 @@ import torch
 from triton.testing import do_bench
 
 from pd_ssm.kernels.ssd import mamba_chunk_scan_varlen_ref
-from pd_ssm.kernels.ssd_triton import SSDConfig, default_config, ssd_scan_with_config
+from pd_ssm.kernels.ssd_config import SSDConfig, default_config
+from pd_ssm.kernels.ssd_triton import ssd_scan_with_config
 
 H, P, N, G, Q = 80, 64, 128, 1, 256
 DEV = torch.device("cuda")

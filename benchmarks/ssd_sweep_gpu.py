@@ -38,7 +38,8 @@ if not CUDA:
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pd_ssm.kernels.ssd import mamba_chunk_scan_varlen_ref  # noqa: E402
-from pd_ssm.kernels.ssd_triton import SSDConfig, default_config, ssd_scan_with_config  # noqa: E402
+from pd_ssm.kernels.ssd_config import SSDConfig, default_config  # noqa: E402
+from pd_ssm.kernels.ssd_triton import ssd_scan_with_config  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     # NOTE: as in tests/kernels/test_ssd_triton.py: Triton 3.6's interpreter reads a loop bound that

@@ -21,8 +21,8 @@ from torch import Tensor
 pytest.importorskip("triton")
 
 from pd_ssm.kernels.ssd import ScanOutput, _chunk_grid, mamba_chunk_scan_varlen_ref  # noqa: E402
+from pd_ssm.kernels.ssd_config import SSDConfig  # noqa: E402
 from pd_ssm.kernels.ssd_triton import (  # noqa: E402
-    SSDConfig,
     mamba_chunk_scan_varlen_triton,
     max_logical_chunks,
     ssd_scan_with_config,

@@ -1,0 +1,75 @@
+"""SSDConfig: block shapes, warps and switches of the Triton SSD scan's kernels (ssd_triton.py),
+with the defaults per dot dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SSDConfig:
+    """Block shapes and warps of the three heavy kernels.
+
+    Defaults (bf16 / fp16): the fastest of the sweep in benchmarks/ssd_gpu.py on an H200, Mamba2-2.7B
+    shapes (run 2 in benchmarks/NOTES_ssd.md).
+    """
+
+    state_block_k: int = 32  # tokens per dot in the chunk-state kernel
+    state_block_n: int = 256  # dstate columns per program (fewer: more programs, same dt' work)
+    state_reread: bool = True  # re-read dt' and its cumsum from scratch (else recompute them)
+    state_warps: int = 4
+    state_stages: int = 4
+    scan_block_m: int = 64  # output rows per program
+    scan_block_k: int = 32  # tokens per step of the causal loop
+    scan_heads: int = 1  # heads per program sharing C B^T (1, 2, 4; 1 where it does not divide H / G)
+    scan_warps: int = 4
+    scan_stages: int = 3
+    pass_block: int = 512  # state elements (of headdim * dstate) per program
+    pass_warps: int = 4
+    # C B^T of each (chunk, group): "fused" = made per head inside the scan kernel; "fp32" / "low" =
+    # made once by a fifth launch into a [K, G, Q, Q] tensor in fp32 / the dot dtype, then loaded
+    scan_cb: str = "fused"
+    scan_head_loop: int = 1  # sets of scan_heads heads run one after the other by one scan program
+    chunk_states_low: bool = False  # chunk end states (state -> passing kernel) in the dot dtype
+    # register cap of the scan kernel (ptxas .maxnreg): 128 at 4 warps keeps 4 programs per SM
+    scan_maxnreg: int | None = None
+    cb_block: int = 64  # rows and columns of C B^T per program of the CB kernel
+    cb_warps: int = 4
+    # the scan's C, B and x tiles through TMA descriptors (no per-element addresses or masks) where
+    # the layout allows it (`ssd_triton._tma_readable`) and the batch has at least scan_tma_min_tokens
+    # tokens; else the pointer loads. 2-6% faster at 1x32768, 16x1024 and 1x8192 on the H200, same
+    # results; but the descriptors cost the host ~40 us a launch, which a short eager scan (1x2048:
+    # 0.14 -> 0.18 ms) does not hide (benchmarks/RESULTS.md, session 11)
+    scan_tma: bool = True
+    scan_tma_min_tokens: int = 4096
+    state_tma: bool = True  # the same for the chunk-state kernel's x and B tiles (same threshold): 1-3% more
+    # chunk states and state passing in one launch, one program per (head, sequence, dstate block)
+    # walking the sequence's chunks (ssd_triton_serial.py): no fp32 chunk-state round trip, fewer
+    # programs. Its x and B tiles go through TMA descriptors under scan_tma's conditions and state_tma.
+    # Off until timed on the GPU (built in session 12 without device time; NOTES_ssd.md says what
+    # to measure)
+    state_serial: bool = False
+    serial_block_n: int = 128  # dstate columns per serial program
+    serial_block_k: int = 64  # tokens a step of the serial program (a power of two dividing the chunk)
+    serial_warps: int = 4
+    serial_stages: int = 3
+
+    def __post_init__(self) -> None:
+        if self.scan_cb not in ("fused", "fp32", "low"):
+            raise ValueError(f"SSDConfig.scan_cb must be 'fused', 'fp32' or 'low', not {self.scan_cb!r}")
+        if self.scan_heads not in (1, 2, 4) or self.scan_head_loop < 1:
+            raise ValueError(f"SSDConfig: scan_heads must be 1, 2 or 4 and scan_head_loop >= 1 "
+                             f"(got {self.scan_heads}, {self.scan_head_loop})")
+
+
+# NOTE: fp32 dots are IEEE (FMA, no tensor cores) and hold larger tiles in registers: smaller
+# tiles and more warps keep them from spilling (ptxas, sm_90)
+_FP32_CONFIG = SSDConfig(state_block_k=64, state_warps=8, state_stages=2, scan_block_m=64, scan_block_k=32,
+                         scan_heads=1, scan_warps=8, scan_stages=2, scan_tma=False,
+                         state_tma=False)  # TMA: not measured in fp32
+
+
+def default_config(dot_dtype: torch.dtype) -> SSDConfig:
+    return _FP32_CONFIG if dot_dtype == torch.float32 else SSDConfig()
