@@ -166,12 +166,12 @@ def ssd_scan_with_config(
         cu_seqlens, context_lens, chunk_info, seq_first, seq_end, bcu,
         S, K, Q, S.bit_length(), BLOCK=256, num_warps=4,
     )
-    if return_boundary_states:
+
+    def boundary_out() -> Tensor:
+        if not return_boundary_states:
+            return starts  # never written: RETURN_BOUNDARY is off
         # NOTE: the one host synchronization: the count of boundary states sizes the output
-        nb = int(bcu[S])
-        bstates = torch.empty((nb, H, P, N), dtype=torch.float32, device=dev)
-    else:
-        bstates = starts  # never written: RETURN_BOUNDARY is off
+        return torch.empty((int(bcu[S]), H, P, N), dtype=torch.float32, device=dev)
 
     lo, hi = float(dt_limit[0]), float(dt_limit[1])
     has_limit = (lo, hi) != NO_DT_LIMIT
@@ -190,6 +190,7 @@ def ssd_scan_with_config(
         serial_tma = cfg.state_tma and long_enough and N % serial_bn == 0 and serial_bk <= 256
         sx_desc, sB_desc = ((_descriptor(x, serial_bk, P), _descriptor(B, serial_bk, serial_bn)) if serial_tma
                             else (x, B))
+        bstates = boundary_out()
         _ssd_state_serial_kernel[(H, S, triton.cdiv(N, serial_bn))](
             x, dt, A, dt_bias, B, cu_seqlens, context_lens, seq_first, bcu, state_indices, has_initial_state,
             dt_buf, cs_buf, starts, ssm_state, bstates, sx_desc, sB_desc,
@@ -212,6 +213,7 @@ def ssd_scan_with_config(
             **dt_args, REREAD=cfg.state_reread, TMA=state_tma, BLOCK_K=state_bk, BLOCK_P=BP, BLOCK_N=state_bn,
             num_warps=cfg.state_warps, num_stages=cfg.state_stages, **dot,
         )
+        bstates = boundary_out()  # NOTE: after the chunk-state launch, which runs while the host waits
         pass_block = min(cfg.pass_block, triton.next_power_of_2(PN))
         _ssd_state_passing_kernel[(triton.cdiv(PN, pass_block), S, H)](
             states, cs_buf, chunk_info, seq_first, seq_end, state_indices, has_initial_state,
