@@ -3,12 +3,12 @@
 
 Replaces `_ssd_chunk_state_kernel` + `_ssd_state_passing_kernel` (ssd_triton_kernels.py) where
 SSDConfig.state_serial is set. Those two write each chunk's own end state [K, H, P, N] in fp32 and
-read it back (0.67 GB at 1 x 32768 on Mamba2-2.7B shapes, a quarter of the scan's traffic); here a
+read it back (0.67 GB at 1 x 32768 on Mamba2-2.7B shapes, a third of what the four launches move); here a
 chunk's end state lives only in registers: the program adds it to the running state it carries and
 stores just the state entering each chunk, which the scan needs anyway. The price is parallelism:
 H * S * (N / BLOCK_N) programs, each sequential over its sequence's chunks; the chunks' loads do
-not depend on the running state, so the loop's software pipeline fetches chunk j + 1 while chunk j
-is reduced.
+not depend on the running state, so the loop's software pipeline fetches the next step's tiles
+while one is reduced.
 
 The loop runs over steps of STEP tokens (a whole chunk, or CHUNK / STEP steps of one), counted so
 that no step lies wholly past a chunk's end: a sequence starting mid-chunk has a short first
