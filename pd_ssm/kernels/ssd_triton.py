@@ -177,6 +177,9 @@ def ssd_scan_with_config(
     has_limit = (lo, hi) != NO_DT_LIMIT
     dot = dict(DOT_DTYPE=_DOT_DTYPES[dot_dtype], DOT_PRECISION="ieee" if dot_dtype == torch.float32 else "tf32",
                INTERPRETED=_INTERPRETED)
+    # the chunk-state kernels' (either path's) dimensions and strides, and their dt' switches
+    sizes = (K, H, P, N, H // G, lo if has_limit else 0.0, hi if has_limit else 0.0,
+             x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1))
     dt_args = dict(CHUNK=Q, CHUNK_PAD=triton.next_power_of_2(Q), HAS_DT_BIAS=dt_bias is not None,
                    DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit)
     BP, BN = _block(P, 256), _block(N, 256)
@@ -194,8 +197,7 @@ def ssd_scan_with_config(
         _ssd_state_serial_kernel[(H, S, triton.cdiv(N, serial_bn))](
             x, dt, A, dt_bias, B, cu_seqlens, context_lens, seq_first, bcu, state_indices, has_initial_state,
             dt_buf, cs_buf, starts, ssm_state, bstates, sx_desc, sB_desc,
-            K, H, P, N, H // G, lo if has_limit else 0.0, hi if has_limit else 0.0,
-            x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1),
+            *sizes,
             **dt_args, TMA=serial_tma, RETURN_BOUNDARY=return_boundary_states, STEP=step, BLOCK_K=serial_bk,
             BLOCK_P=BP, BLOCK_N=serial_bn, num_warps=cfg.serial_warps, num_stages=cfg.serial_stages, **dot,
         )
@@ -208,8 +210,7 @@ def ssd_scan_with_config(
                             else (x, B))
         _ssd_chunk_state_kernel[(H, K, triton.cdiv(N, state_bn))](
             x, dt, A, dt_bias, B, chunk_info, dt_buf, cs_buf, states, sx_desc, sB_desc,
-            K, H, P, N, H // G, lo if has_limit else 0.0, hi if has_limit else 0.0,
-            x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1),
+            *sizes,
             **dt_args, REREAD=cfg.state_reread, TMA=state_tma, BLOCK_K=state_bk, BLOCK_P=BP, BLOCK_N=state_bn,
             num_warps=cfg.state_warps, num_stages=cfg.state_stages, **dot,
         )

@@ -73,26 +73,34 @@ def _entries_read(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     return entries
 
 
+def _received_exactly(rx: NcclConnector, expected: dict[str, StatePages]) -> dict[str, StatePages]:
+    """Every expected request arrived, nothing failed, and each is bit-exact."""
+    got, failed = collect(rx, len(expected))
+    assert failed == {} and sorted(got) == sorted(expected)
+    for req_id, pages in expected.items():
+        assert_same(pages, got[req_id])
+    return got
+
+
 def test_streamed_requests_arrive_bit_exact_beside_whole_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     entries = _entries_read(monkeypatch)
     table = ReservationTable(ttl=60.0, token=TOKEN)
     reserve(table, "s1", "whole", "s2", "s3")
     with pair(table, _streams_and_whole) as rx:
-        got, failed = collect(rx, 4)
-        assert failed == {} and sorted(got) == ["s1", "s2", "s3", "whole"]
-        for req_id, seed, dtype in (("s1", 11, torch.float32), ("whole", 12, torch.bfloat16),
-                                    ("s2", 13, torch.bfloat16), ("s3", 14, torch.float32)):
-            assert_same(make_pages(req_id, dtype, seed), got[req_id])
-            assert got[req_id].request == make_pages(req_id, dtype, seed).request
+        expected = {req_id: make_pages(req_id, dtype, seed) for req_id, seed, dtype in (
+            ("s1", 11, torch.float32), ("whole", 12, torch.bfloat16), ("s2", 13, torch.bfloat16),
+            ("s3", 14, torch.float32))}
+        got = _received_exactly(rx, expected)
+        for req_id, pages in expected.items():
+            assert got[req_id].request == pages.request
         assert sum(e.count("part") for e in entries) == 3  # s1: 2, s2: 1, s3: none (below stream_bytes)
         # the first part found the link idle; everything after it was coalesced (gloo: until the flush)
         assert entries == [["part"], ["part", "last", "last", "part", "last", "last"]], entries
         assert len(rx._rx._streamed) == 0  # type: ignore[union-attr]
         # a streamed request's stats count every part's bytes, not only its last entry's
         stats = rx.get_stats()
-        for req_id, seed, dtype in (("s1", 11, torch.float32), ("whole", 12, torch.bfloat16),
-                                    ("s2", 13, torch.bfloat16), ("s3", 14, torch.float32)):
-            assert stats[req_id].nbytes >= make_pages(req_id, dtype, seed).nbytes() > 0, req_id
+        for req_id, pages in expected.items():
+            assert stats[req_id].nbytes >= pages.nbytes() > 0, req_id
     assert len(table) == 0
 
 
@@ -117,14 +125,13 @@ def test_a_burst_of_streamed_layers_travels_in_few_entries(monkeypatch: pytest.M
     table = ReservationTable(ttl=60.0, token=TOKEN)
     reserve(table, "b1", "b2", "b3")
     with pair(table, _burst) as rx:
-        got, failed = collect(rx, 3)
-        assert failed == {} and sorted(got) == ["b1", "b2", "b3"]
-        for req_id, seed in (("b1", 31), ("b2", 32), ("b3", 33)):
-            assert_same(make_pages(req_id, torch.float32, seed), got[req_id])
+        expected = {req_id: make_pages(req_id, torch.float32, seed) for req_id, seed in (("b1", 31), ("b2", 32),
+                                                                                          ("b3", 33))}
+        _received_exactly(rx, expected)
         assert [e for m in entries for e in m] == ["part", "last", "last", "last"], entries
         stats = rx.get_stats()
-        for req_id, seed in (("b1", 31), ("b2", 32), ("b3", 33)):
-            assert stats[req_id].nbytes >= make_pages(req_id, torch.float32, seed).nbytes(), req_id
+        for req_id, pages in expected.items():
+            assert stats[req_id].nbytes >= pages.nbytes(), req_id
     assert len(table) == 0
 
 
@@ -153,10 +160,8 @@ def test_what_is_held_leaves_when_a_streamed_layer_finds_the_link_idle(monkeypat
     table = ReservationTable(ttl=60.0, token=TOKEN)
     reserve(table, "w1", "w2", "s1")
     with pair(table, _held_then_layers) as rx:
-        got, failed = collect(rx, 3)
-        assert failed == {} and sorted(got) == ["s1", "w1", "w2"]
-        for req_id, seed in (("w1", 41), ("w2", 42), ("s1", 43)):
-            assert_same(make_pages(req_id, torch.float32, seed), got[req_id])
+        _received_exactly(rx, {req_id: make_pages(req_id, torch.float32, seed)
+                               for req_id, seed in (("w1", 41), ("w2", 42), ("s1", 43))})
         assert entries == [["last"], ["last"], ["last"]], entries  # w2 did not wait to share s1's message
     assert len(table) == 0
 
