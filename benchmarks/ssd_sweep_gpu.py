@@ -31,6 +31,8 @@ import torch
 ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ARGS.add_argument("--tiny", action="store_true", help="tiny shapes (CPU, TRITON_INTERPRET=1)")
 ARGS.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+ARGS.add_argument("--more-cases", action="store_true",
+                  help="also batches of 4 to 64 sequences (where the serial state kernel's parallelism changes)")
 OPTS = ARGS.parse_args()
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -68,6 +70,14 @@ CASES: dict[str, tuple[list[int], str]] = (
     {"1x32768": ([32768], "fresh"), "16x1024 unaligned": ([1024] * 16, "unaligned"),
      "16x1024 aligned": ([1024] * 16, "aligned"), "1x8192": ([8192], "fresh"), "1x2048": ([2048], "fresh")}
 )
+if OPTS.more_cases and not OPTS.tiny:
+    CASES |= {"2x4096 unaligned": ([4096] * 2, "unaligned"), "4x2048 unaligned": ([2048] * 4, "unaligned"),
+              "8x1024 unaligned": ([1024] * 8, "unaligned"), "32x256 unaligned": ([256] * 32, "unaligned"),
+              "64x128 unaligned": ([128] * 64, "unaligned"),
+              # one long and one short sequence: the serial kernel's worst case at two sequences
+              "7680+512 unaligned": ([7680, 512], "unaligned")}
+# session 12's serial state kernel at every batch size, in dstate blocks of 128 (as then timed)
+_SERIAL: dict[str, Any] = dict(state_serial=True, serial_max_avg_tokens=1 << 30, serial_block_n=128)
 # overrides of the bf16 default config; "default" is what the engine runs today
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
@@ -111,13 +121,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # block) walking the sequence in steps (ssd_triton_serial.py). Offline ptxas, sm_90 (registers /
     # shared KB, programs per SM): BN128 BK64 w4 s3 234 / 72, 2; BN64 121-128 / 48, 4; BK32 s4 233 /
     # 52, 2; BN128 BK64 w8 138 / 80, 1; BK128 w8 s2 156 / 96, 1; whole chunks BK256 w8 s2 255 / 176, 1
-    "serial": dict(state_serial=True),
-    "serial bn64": dict(state_serial=True, serial_block_n=64),
-    "serial bk32 s4": dict(state_serial=True, serial_block_k=32, serial_stages=4),
-    "serial w8": dict(state_serial=True, serial_warps=8),
-    "serial bk128 w8 s2": dict(state_serial=True, serial_block_k=128, serial_warps=8, serial_stages=2),
-    "serial whole chunks": dict(state_serial=True, serial_block_k=256, serial_warps=8, serial_stages=2),
-    "serial pointers": dict(state_serial=True, state_tma=False),
+    "serial": _SERIAL,
+    "serial bn64": _SERIAL | dict(serial_block_n=64),
+    "serial bk32 s4": _SERIAL | dict(serial_block_k=32, serial_stages=4),
+    "serial w8": _SERIAL | dict(serial_warps=8),
+    "serial bk128 w8 s2": _SERIAL | dict(serial_block_k=128, serial_warps=8, serial_stages=2),
+    "serial whole chunks": _SERIAL | dict(serial_block_k=256, serial_warps=8, serial_stages=2),
+    "serial pointers": _SERIAL | dict(state_tma=False),
+    # session 13: the serial kernel is the default where sequences are short (serial_max_avg_tokens),
+    # dstate in blocks of 64; "two kernels" is the chunk-state + passing path at every batch, as before
+    "two kernels": dict(state_serial=False),
+    "serial bn128": dict(serial_block_n=128),
 }
 if OPTS.only:
     VARIANTS = {k: v for k, v in VARIANTS.items() if k in OPTS.only.split(",")}

@@ -46,12 +46,15 @@ class SSDConfig:
     scan_tma_min_tokens: int = 4096
     state_tma: bool = True  # the same for the chunk-state kernel's x and B tiles (same threshold): 1-3% more
     # chunk states and state passing in one launch, one program per (head, sequence, dstate block)
-    # walking the sequence's chunks (ssd_triton_serial.py): no fp32 chunk-state round trip, fewer
-    # programs. Its x and B tiles go through TMA descriptors under scan_tma's conditions and state_tma.
-    # Off until timed on the GPU (built in session 12 without device time; NOTES_ssd.md says what
-    # to measure)
-    state_serial: bool = False
-    serial_block_n: int = 128  # dstate columns per serial program
+    # walking the sequence's chunks (ssd_triton_serial.py): no fp32 chunk-state round trip, one launch
+    # less, but only H * S * N / serial_block_n programs, each as long as its sequence. Used where the
+    # sequences average at most serial_max_avg_tokens (the longest is not known without a host sync).
+    # H200, 2.7B shapes (benchmarks/RESULTS.md, session 13), against the two kernels: 4-15% faster
+    # at 8 x 1024 to 64 x 128 tokens, level at 2 x 4096 and 4 x 2048, 1.4x slower at 1 x 8192 and
+    # 1.3x at 7680 + 512. Its x and B tiles go through TMA descriptors under scan_tma's conditions
+    state_serial: bool = True
+    serial_max_avg_tokens: int = 1024
+    serial_block_n: int = 64  # dstate columns per serial program
     serial_block_k: int = 64  # tokens a step of the serial program (a power of two dividing the chunk)
     serial_warps: int = 4
     serial_stages: int = 3
@@ -68,7 +71,7 @@ class SSDConfig:
 # tiles and more warps keep them from spilling (ptxas, sm_90)
 _FP32_CONFIG = SSDConfig(state_block_k=64, state_warps=8, state_stages=2, scan_block_m=64, scan_block_k=32,
                          scan_heads=1, scan_warps=8, scan_stages=2, scan_tma=False,
-                         state_tma=False)  # TMA: not measured in fp32
+                         state_tma=False, state_serial=False)  # TMA, serial: not measured in fp32
 
 
 def default_config(dot_dtype: torch.dtype) -> SSDConfig:

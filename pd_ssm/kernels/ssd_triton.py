@@ -4,8 +4,9 @@ Same contract as `ssd.mamba_chunk_scan_varlen_ref` (signature, semantics, ScanOu
 are in `ssd_triton_kernels.py`, `ssd_triton_serial.py`, `ssd_triton_bmm.py` and `ssd_triton_scan.py`;
 their block shapes and switches in `ssd_config.py`.
 Four launches: chunk metadata, chunk states (dt' and its cumsum fused in), state passing along each
-sequence, chunk scan (the C B^T product fused in). With SSDConfig.state_serial the middle two are
-one launch that walks each sequence; with SSDConfig.scan_cb != "fused", one more launch makes
+sequence, chunk scan (the C B^T product fused in). For batches of short sequences (bf16 / fp16:
+at most SSDConfig.serial_max_avg_tokens on average) the middle two are one launch that walks each
+sequence; with SSDConfig.scan_cb != "fused", one more launch makes
 C B^T once per (chunk, group) and the scan loads it.
 
 No host synchronization unless return_boundary_states is set: the logical-chunk grid is sized by
@@ -38,6 +39,8 @@ from pd_ssm.kernels.ssd_triton_serial import _ssd_state_serial_kernel
 
 # the interpreter replaces @triton.jit functions at import when TRITON_INTERPRET=1
 _INTERPRETED = isinstance(_ssd_chunk_scan_kernel, InterpretedFunction)
+# shared memory for the serial state kernel's fetched-ahead tiles (the H200 gives a program 227 KB)
+_SERIAL_TILE_BUDGET = 128 * 1024
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -154,7 +157,7 @@ def ssd_scan_with_config(
     # NOTE: low chunk states halve the largest round trip (K H P N values written, then read);
     # each is rounded once, before the fp32 sum along the sequence
     low_states = cfg.chunk_states_low and dot_dtype != torch.float32
-    serial = cfg.state_serial
+    serial = cfg.state_serial and T <= S * cfg.serial_max_avg_tokens
     own_states = 0 if low_states or serial else K * H * PN  # fp32 chunk end states (two-kernel path)
     work = torch.empty(2 * H * K * Q + own_states, dtype=torch.float32, device=dev)
     dt_buf, cs_buf, states = work.split([H * K * Q, H * K * Q, own_states])
@@ -191,6 +194,10 @@ def ssd_scan_with_config(
         # NOTE: TMA boxes reach 256 rows; a serial program's B tile must stay in its group:
         # dstate a whole number of its blocks
         serial_tma = cfg.state_tma and long_enough and N % serial_bn == 0 and serial_bk <= 256
+        # NOTE: the pipeline holds stages - 1 x and B tiles in shared memory beside the scaled x^T it
+        # stages for the dot; whole fp32 chunks (96 KB a stage at P 64) fit two stages, not three
+        stage_bytes = serial_bk * (BP + serial_bn) * x.element_size()
+        serial_stages = max(1, min(cfg.serial_stages, 1 + _SERIAL_TILE_BUDGET // stage_bytes))
         sx_desc, sB_desc = ((_descriptor(x, serial_bk, P), _descriptor(B, serial_bk, serial_bn)) if serial_tma
                             else (x, B))
         bstates = boundary_out()
@@ -199,7 +206,7 @@ def ssd_scan_with_config(
             dt_buf, cs_buf, starts, ssm_state, bstates, sx_desc, sB_desc,
             *sizes,
             **dt_args, TMA=serial_tma, RETURN_BOUNDARY=return_boundary_states, STEP=step, BLOCK_K=serial_bk,
-            BLOCK_P=BP, BLOCK_N=serial_bn, num_warps=cfg.serial_warps, num_stages=cfg.serial_stages, **dot,
+            BLOCK_P=BP, BLOCK_N=serial_bn, num_warps=cfg.serial_warps, num_stages=serial_stages, **dot,
         )
     else:
         state_bn = _block(N, cfg.state_block_n)

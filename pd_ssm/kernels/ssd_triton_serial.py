@@ -1,8 +1,8 @@
 """The SSD's chunk states and their passing along each sequence in one launch, one program per
 (head, sequence, dstate block) walking the sequence's chunks in order.
 
-Replaces `_ssd_chunk_state_kernel` + `_ssd_state_passing_kernel` (ssd_triton_kernels.py) where
-SSDConfig.state_serial is set. Those two write each chunk's own end state [K, H, P, N] in fp32 and
+Replaces `_ssd_chunk_state_kernel` + `_ssd_state_passing_kernel` (ssd_triton_kernels.py) in
+batches of short sequences (SSDConfig.serial_max_avg_tokens). Those two write each chunk's own end state [K, H, P, N] in fp32 and
 read it back (0.67 GB at 1 x 32768 on Mamba2-2.7B shapes, a third of what the four launches move); here a
 chunk's end state lives only in registers: the program adds it to the running state it carries and
 stores just the state entering each chunk, which the scan needs anyway. The price is parallelism:

@@ -60,11 +60,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "shared_cb": dict(scan_cb="low", scan_head_loop=2, chunk_states_low=True),
     "tma": dict(scan_tma_min_tokens=0),  # TMA at every length (the default: from 4096 tokens)
     "pointers": dict(scan_tma=False, state_tma=False),  # C, B and x tiles by pointer loads, masked
-    # chunk states and their passing in one serial program per (head, sequence, dstate block), by
-    # pointer loads in steps of 16 tokens (whole chunks at the smallest chunk), and through TMA
-    # descriptors at every length in steps of up to 64 tokens
-    "serial": dict(state_serial=True, serial_block_k=16),
-    "serial_tma": dict(state_serial=True, scan_tma_min_tokens=0),
+    # chunk states and their passing in one serial program per (head, sequence, dstate block) at every
+    # batch size (the default: where sequences average <= 1024 tokens), by pointer loads in steps of 16 tokens (whole
+    # chunks at the smallest chunk), and through TMA descriptors at every length in steps of up to 64
+    "serial": dict(serial_max_avg_tokens=1 << 30, serial_block_k=16),
+    "serial_tma": dict(serial_max_avg_tokens=1 << 30, scan_tma_min_tokens=0),
+    "two_kernels": dict(state_serial=False),  # chunk states, then their passing, at every batch size
 }
 _variant: dict[str, Any] = {}
 
@@ -86,7 +87,7 @@ def run_case(
     chunk: int = CHUNK, dtype: torch.dtype = torch.float32, pool_dtype: torch.dtype = torch.float32,
     limit: Sequence[float] = INF_LIMIT, boundaries: bool = True, with_D_bias: bool = True,
     softplus: bool = True, strided: bool = False, nan_in_unread_slots: bool = False,
-    dstate: int = N, config: SSDConfig | None = None,
+    dstate: int = N, config: SSDConfig | None = None, fp32_tol: float = 1e-4,
 ) -> tuple[ScanOutput, ScanOutput]:
     """Scan one batch with both implementations; check out, pool and boundary states; return both."""
     g = gen(seed)
@@ -139,14 +140,14 @@ def run_case(
     if low:  # bf16 / fp16 operands of the dots, and bf16 / fp16 passed states
         assert rel_err(tri.out, ref.out) < 1e-2
     else:
-        torch.testing.assert_close(tri.out, ref.out, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(tri.out, ref.out, rtol=fp32_tol, atol=fp32_tol)
     unused = sorted(set(range(num_slots)) - set(slots))
     assert torch.equal(pool_tri[unused].cpu(), pool[unused]), "a slot no sequence owns was written"
     for s in slots:
         if low or pool_dtype != torch.float32:
             assert rel_err(pool_tri[s], pool_ref[s]) < (1e-2 if low else 4e-3), f"final state of slot {s}"
         else:
-            torch.testing.assert_close(pool_tri[s], pool_ref[s], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(pool_tri[s], pool_ref[s], rtol=fp32_tol, atol=fp32_tol)
 
     if not boundaries:
         assert tri.boundary_states is None and tri.boundary_cu is None
@@ -160,7 +161,7 @@ def run_case(
         if low:
             assert rel_err(tri.boundary_states, ref.boundary_states) < 1e-2
         else:
-            torch.testing.assert_close(tri.boundary_states, ref.boundary_states, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(tri.boundary_states, ref.boundary_states, rtol=fp32_tol, atol=fp32_tol)
     return ref, tri
 
 
@@ -230,15 +231,31 @@ def test_block_configs(G: int, chunk: int, config: SSDConfig) -> None:
              config=config)
 
 
+# NOTE: in chunks of 256 (on a GPU) the running sums cs of dt' A reach ~ -900 with these inputs'
+# decays (down to e^-3.6 a token); each fp32 partial sum there is rounded by ~3e-5, differently by the
+# kernel's tree cumsum and torch's, and e^{cs_l - cs_s} carries that: 1-2 of 580 K outputs differ by
+# 1.3-2.4e-4 (H200, session 13). Shorter chunks keep 1e-4
+LONG_CHUNK_FP32_TOL = 5e-4
+
+
 @pytest.mark.parametrize("block_k", [16, 4 * CHUNK])
 def test_serial_state_steps_within_a_chunk(block_k: int) -> None:
     # chunks of 4 steps (or one whole step): short first chunks after mid-chunk histories, sequences
     # ending a step, a chunk or a token past a boundary, one shorter than a step
-    config = SSDConfig(state_serial=True, serial_block_k=block_k, serial_block_n=N // 2)
+    config = SSDConfig(serial_max_avg_tokens=1 << 30, serial_block_k=block_k, serial_block_n=N // 2)
     run_case([3, 70, 64, 17, 129], [0, 9, 64, 50, 31], [True, False, True, True, True], G=2, seed=22,
-             chunk=4 * CHUNK, dstate=N, config=config)
+             chunk=4 * CHUNK, dstate=N, config=config, fp32_tol=LONG_CHUNK_FP32_TOL)
     run_case([3, 70, 64, 17, 129], [0, 9, 64, 50, 31], [True, False, True, True, True], G=2, seed=22,
              chunk=4 * CHUNK, dtype=torch.bfloat16, pool_dtype=torch.bfloat16, config=config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scan_row_blocks_of_long_chunks(dtype: torch.dtype) -> None:
+    # four row blocks a chunk, each with 0 to 3 blocks of sources before it (decays down to e^-190,
+    # past fp32's range); mid-chunk starts, sequences shorter than a block and ending inside one
+    config = SSDConfig(scan_block_m=CHUNK, scan_block_k=CHUNK // 2)
+    run_case([3, 70, 64, 17, 129], [0, 9, 64, 50, 31], [True, False, True, True, True], seed=23,
+             chunk=4 * CHUNK, dtype=dtype, pool_dtype=dtype, config=config, fp32_tol=LONG_CHUNK_FP32_TOL)
 
 
 def test_logical_chunk_bound_holds() -> None:
