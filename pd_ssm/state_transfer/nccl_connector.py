@@ -4,7 +4,7 @@ One sender (prefill side, rank 0) and one receiver (decode side, rank 1) per con
 group of their own (nccl_group.py: not torch.distributed's default group, so any number of
 connectors and a default group coexist in one process). Backend "nccl" when the connector's
 device is CUDA, "gloo" on CPU -- the same code path. Per data message (nccl_control.py,
-nccl_message.py):
+nccl_message.py, nccl_unpack.py):
 
   ZMQ PUSH -> PULL: [token, control{kind="data", gen, req_ids, sizes}, then per request: request
        frame (header, payload), runs list]

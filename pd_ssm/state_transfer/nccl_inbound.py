@@ -20,7 +20,8 @@ import torch
 from pd_ssm.cache.pages import RequestState
 from pd_ssm.state_transfer.nccl_checksum import PendingSums
 from pd_ssm.state_transfer.nccl_control import PARTS_PER_REQUEST, Control
-from pd_ssm.state_transfer.nccl_message import Headers, RunMeta, parse_request, parse_tensors
+from pd_ssm.state_transfer.nccl_message import RunMeta
+from pd_ssm.state_transfer.nccl_unpack import Headers, parse_request, parse_tensors
 from pd_ssm.state_transfer.wire import FrameError
 
 # a request's frame (None for a part) and runs, or why they are refused

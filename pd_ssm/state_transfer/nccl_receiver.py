@@ -35,9 +35,9 @@ from pd_ssm.state_transfer.nccl_group import (
 )
 from pd_ssm.state_transfer.nccl_inbound import Inbound
 from pd_ssm.state_transfer.nccl_memo import Memo
-from pd_ssm.state_transfer.nccl_message import Headers, unpack_runs
 from pd_ssm.state_transfer.nccl_pinned import PinnedPool
 from pd_ssm.state_transfer.nccl_streamed import StreamedParts
+from pd_ssm.state_transfer.nccl_unpack import Headers, unpack_runs
 from pd_ssm.state_transfer.reservations import ReservationTable
 from pd_ssm.state_transfer.wire import FrameError
 

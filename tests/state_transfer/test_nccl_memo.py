@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pd_ssm.state_transfer.nccl_memo import Memo
-from pd_ssm.state_transfer.nccl_message import Headers, Layouts, parse_tensors, plan
+from pd_ssm.state_transfer.nccl_message import Layouts, plan
+from pd_ssm.state_transfer.nccl_unpack import Headers, parse_tensors
 from pd_ssm.state_transfer.wire import FrameError
 from tests.state_transfer.test_nccl_message import make_pages
 

@@ -13,7 +13,8 @@ import torch
 from pd_ssm.cache.pages import LayerPages, PageRun, StatePages
 from pd_ssm.state_transfer.nccl_checksum import BLOCK, align, block_sums, trailer_bytes
 from pd_ssm.state_transfer.nccl_control import Control, parse_control
-from pd_ssm.state_transfer.nccl_message import pack, parse_tensors, plan, unpack
+from pd_ssm.state_transfer.nccl_message import pack, plan
+from pd_ssm.state_transfer.nccl_unpack import parse_tensors, unpack
 from pd_ssm.state_transfer.wire import FrameError
 from tests.state_transfer.test_nccl_connector import assert_same, make_pages
 
