@@ -296,14 +296,14 @@ def test_zmq_receiver_killed_mid_transfer() -> None:
             # message of "big" goes into ZMQ (one pump at a time: flush(0.0)), then no pump until
             # the sender's ZMQ saw the receiver go -- a pump fails a disconnected peer's requests
             # before it counts released buffers, and "big" is never reported sent
-            while tx._outbox:
+            while tx._outbox._queued:
                 time.sleep(0.002)  # its checksums
                 tx.flush(0.0)
             go.set()
             proc.join(15.0)
             assert proc.exitcode == -signal.SIGKILL
             t0 = time.monotonic()
-            assert tx._monitors[address].poll(3000)  # the disconnect, seen by the sender's ZMQ
+            assert tx._outbox._monitors[address].poll(3000)  # the disconnect, seen by the sender's ZMQ
             assert tx.flush(5.0)  # nothing left waiting: no buffer held
             assert time.monotonic() - t0 < 3.0
             failed = tx.get_failed()
