@@ -202,7 +202,10 @@ def test_detokenizer_holds_back_split_character():
 def test_detokenizer_bytes_concat_equals_decode(text, noise):
     tok = ByteTokenizer(vocab_size=301, eos_token_ids=[0], bos_token_id=1)
     deltas, tail = _stream(tok, tok.encode(text))
-    assert "".join(deltas) == text and tail == ""
+    # NOTE: literal U+FFFDs at the very end look like an unfinished character until the end: they
+    # come out of flush() (hypothesis found text='\ufffd'); everything else comes out as deltas
+    held = text[len(text.rstrip("\ufffd")):]
+    assert "".join(deltas) + tail == text and tail == held
     # arbitrary ids: invalid UTF-8, specials, ids past the byte block
     ids = tok.encode(text) + noise
     deltas, tail = _stream(tok, ids)
