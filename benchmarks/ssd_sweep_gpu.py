@@ -77,7 +77,7 @@ if OPTS.more_cases and not OPTS.tiny:
               # one long and one short sequence: the serial kernel's worst case at two sequences
               "7680+512 unaligned": ([7680, 512], "unaligned")}
 # session 12's serial state kernel at every batch size, in dstate blocks of 128 (as then timed)
-_SERIAL: dict[str, Any] = dict(state_serial=True, serial_max_avg_tokens=1 << 30, serial_block_n=128)
+_SERIAL: dict[str, Any] = dict(state_serial=True, serial_max_tokens=1 << 30, serial_block_n=128)
 # overrides of the bf16 default config; "default" is what the engine runs today
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
@@ -128,7 +128,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "serial bk128 w8 s2": _SERIAL | dict(serial_block_k=128, serial_warps=8, serial_stages=2),
     "serial whole chunks": _SERIAL | dict(serial_block_k=256, serial_warps=8, serial_stages=2),
     "serial pointers": _SERIAL | dict(state_tma=False),
-    # session 13: the serial kernel is the default where sequences are short (serial_max_avg_tokens),
+    # session 13: the serial kernel is the default where sequences are short (serial_max_tokens),
     # dstate in blocks of 64; "two kernels" is the chunk-state + passing path at every batch, as before
     "two kernels": dict(state_serial=False),
     "serial bn128": dict(serial_block_n=128),

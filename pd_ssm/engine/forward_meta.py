@@ -40,6 +40,7 @@ class ForwardMeta:
     # NOTE: every SSM and attention layer asks for the same two views; built once per step
     _prefill: ForwardMeta | None = field(default=None, init=False, repr=False, compare=False)
     _decode: ForwardMeta | None = field(default=None, init=False, repr=False, compare=False)
+    _max_query_len: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def layer_done(self, layer_idx: int) -> None:
         """The model finished decoder layer `layer_idx` of this step."""
@@ -53,6 +54,14 @@ class ForwardMeta:
     @property
     def num_decode_tokens(self) -> int:
         return self.num_decodes
+
+    @property
+    def max_query_len(self) -> int:
+        """The most tokens any sequence has in this step (from the host lists: no device sync)."""
+        if self._max_query_len is None:
+            q = self.query_start_loc_cpu
+            self._max_query_len = max((b - a for a, b in zip(q, q[1:], strict=False)), default=0)
+        return self._max_query_len
 
     def prefill_view(self) -> ForwardMeta:
         """The prefill sequences alone, token offsets rebased to start at 0."""

@@ -179,6 +179,7 @@ def mamba_chunk_scan_varlen_ref(
     dt_softplus: bool = True,
     dt_limit: Sequence[float] = NO_DT_LIMIT,
     return_boundary_states: bool = False,
+    max_seqlen: int | None = None,
 ) -> ScanOutput:
     """Chunked SSD scan of S sequences laid end to end (T tokens), each from its own state.
 
@@ -202,6 +203,10 @@ def mamba_chunk_scan_varlen_ref(
     in increasing order, the state after token p-1 for every absolute position p with
     p % chunk_size == 0 and context_len < p <= context_len + len, and rows
     boundary_cu[s]:boundary_cu[s+1] belong to sequence s; otherwise both are None.
+
+    max_seqlen: the longest sequence's length when the caller knows it on the host (None: unknown),
+    a hint that picks the Triton launcher's path (ssd_triton.py); it never changes the results, and
+    this reference ignores it.
 
     Reads cu_seqlens and context_lens on the host (one device sync); the Triton kernel does not.
     """

@@ -48,12 +48,12 @@ class SSDConfig:
     # chunk states and state passing in one launch, one program per (head, sequence, dstate block)
     # walking the sequence's chunks (ssd_triton_serial.py): no fp32 chunk-state round trip, one launch
     # less, but only H * S * N / serial_block_n programs, each as long as its sequence. Used where the
-    # sequences average at most serial_max_avg_tokens (the longest is not known without a host sync).
-    # H200, 2.7B shapes (benchmarks/RESULTS.md, session 13), against the two kernels: 4-15% faster
-    # at 8 x 1024 to 64 x 128 tokens, level at 2 x 4096 and 4 x 2048, 1.4x slower at 1 x 8192 and
-    # 1.3x at 7680 + 512. Its x and B tiles go through TMA descriptors under scan_tma's conditions
+    # longest sequence has at most serial_max_tokens (ssd_triton.use_serial_states). H200, 2.7B
+    # shapes (benchmarks/RESULTS.md, session 13), against the two kernels: 4-15% faster at 8 x 1024 to
+    # 64 x 128 tokens, level at 2 x 4096 and 4 x 2048, 1.4x slower at 1 x 8192 and 1.3x at
+    # 7680 + 512. Its x and B tiles go through TMA descriptors under scan_tma's conditions
     state_serial: bool = True
-    serial_max_avg_tokens: int = 1024
+    serial_max_tokens: int = 1024
     serial_block_n: int = 64  # dstate columns per serial program
     serial_block_k: int = 64  # tokens a step of the serial program (a power of two dividing the chunk)
     serial_warps: int = 4

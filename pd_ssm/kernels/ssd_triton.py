@@ -5,8 +5,8 @@ are in `ssd_triton_kernels.py`, `ssd_triton_serial.py`, `ssd_triton_bmm.py` and 
 their block shapes and switches in `ssd_config.py`.
 Four launches: chunk metadata, chunk states (dt' and its cumsum fused in), state passing along each
 sequence, chunk scan (the C B^T product fused in). For batches of short sequences (bf16 / fp16:
-at most SSDConfig.serial_max_avg_tokens on average) the middle two are one launch that walks each
-sequence; with SSDConfig.scan_cb != "fused", one more launch makes
+at most SSDConfig.serial_max_tokens, `use_serial_states`) the middle two are one launch that walks
+each sequence; with SSDConfig.scan_cb != "fused", one more launch makes
 C B^T once per (chunk, group) and the scan loads it.
 
 No host synchronization unless return_boundary_states is set: the logical-chunk grid is sized by
@@ -67,6 +67,21 @@ def _serial_step(chunk: int, cap: int) -> tuple[int, int]:
     return chunk, triton.next_power_of_2(max(chunk, 16))
 
 
+def use_serial_states(cfg: SSDConfig, num_tokens: int, num_seqs: int, max_seqlen: int | None) -> bool:
+    """Whether chunk states and their passing run as the serial kernel (else the two kernels).
+
+    The serial kernel takes as long as its longest walk, so it pays only where every sequence is
+    short: the longest one at most `serial_max_tokens`. Without `max_seqlen` (reading cu_seqlens
+    would sync the host) the average T / S stands in for it, a lower bound: one long sequence among
+    many short ones then runs serially too (H200: 7680 + 512 tokens 1.3x slower that way).
+    """
+    if not cfg.state_serial:
+        return False
+    if max_seqlen is None:
+        return num_tokens <= num_seqs * cfg.serial_max_tokens
+    return max_seqlen <= cfg.serial_max_tokens
+
+
 def _tma_readable(x: Tensor, B: Tensor, C: Tensor, block_p: int, block_n: int) -> bool:
     """Whether TMA descriptors can read x as [T, H * P] and B, C as [T, G * N]: a head's or a
     group's tile must be exactly P or N wide (a wider one would read the next head or group), and
@@ -101,6 +116,7 @@ def mamba_chunk_scan_varlen_triton(
     dt_softplus: bool = True,
     dt_limit: Sequence[float] = NO_DT_LIMIT,
     return_boundary_states: bool = False,
+    max_seqlen: int | None = None,
 ) -> ScanOutput:
     """Chunked SSD scan of S sequences laid end to end (T tokens), each from its own state.
 
@@ -119,7 +135,7 @@ def mamba_chunk_scan_varlen_triton(
         x, dt, A, B, C, chunk_size, cu_seqlens=cu_seqlens, context_lens=context_lens,
         ssm_state=ssm_state, state_indices=state_indices, has_initial_state=has_initial_state, D=D,
         dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
-        return_boundary_states=return_boundary_states, config=None,
+        return_boundary_states=return_boundary_states, config=None, max_seqlen=max_seqlen,
     )
 
 
@@ -127,7 +143,7 @@ def ssd_scan_with_config(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, *, cu_seqlens: Tensor,
     context_lens: Tensor, ssm_state: Tensor, state_indices: Tensor, has_initial_state: Tensor,
     D: Tensor | None, dt_bias: Tensor | None, dt_softplus: bool, dt_limit: Sequence[float],
-    return_boundary_states: bool, config: SSDConfig | None,
+    return_boundary_states: bool, config: SSDConfig | None, max_seqlen: int | None = None,
 ) -> ScanOutput:
     """`mamba_chunk_scan_varlen_triton` with explicit block shapes (None: the default for the dtype)."""
     _check_scan_args(x, dt, A, B, C, chunk_size, cu_seqlens, context_lens, ssm_state, state_indices,
@@ -157,7 +173,7 @@ def ssd_scan_with_config(
     # NOTE: low chunk states halve the largest round trip (K H P N values written, then read);
     # each is rounded once, before the fp32 sum along the sequence
     low_states = cfg.chunk_states_low and dot_dtype != torch.float32
-    serial = cfg.state_serial and T <= S * cfg.serial_max_avg_tokens
+    serial = use_serial_states(cfg, T, S, max_seqlen)
     own_states = 0 if low_states or serial else K * H * PN  # fp32 chunk end states (two-kernel path)
     work = torch.empty(2 * H * K * Q + own_states, dtype=torch.float32, device=dev)
     dt_buf, cs_buf, states = work.split([H * K * Q, H * K * Q, own_states])

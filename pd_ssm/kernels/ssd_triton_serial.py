@@ -2,7 +2,7 @@
 (head, sequence, dstate block) walking the sequence's chunks in order.
 
 Replaces `_ssd_chunk_state_kernel` + `_ssd_state_passing_kernel` (ssd_triton_kernels.py) in
-batches of short sequences (SSDConfig.serial_max_avg_tokens). Those two write each chunk's own end state [K, H, P, N] in fp32 and
+batches of short sequences (SSDConfig.serial_max_tokens). Those two write each chunk's own end state [K, H, P, N] in fp32 and
 read it back (0.67 GB at 1 x 32768 on Mamba2-2.7B shapes, a third of what the four launches move); here a
 chunk's end state lives only in registers: the program adds it to the running state it carries and
 stores just the state entering each chunk, which the scan needs anyway. The price is parallelism:

@@ -26,6 +26,7 @@ from pd_ssm.kernels.ssd_triton import (  # noqa: E402
     mamba_chunk_scan_varlen_triton,
     max_logical_chunks,
     ssd_scan_with_config,
+    use_serial_states,
 )
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -63,8 +64,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # chunk states and their passing in one serial program per (head, sequence, dstate block) at every
     # batch size (the default: where sequences average <= 1024 tokens), by pointer loads in steps of 16 tokens (whole
     # chunks at the smallest chunk), and through TMA descriptors at every length in steps of up to 64
-    "serial": dict(serial_max_avg_tokens=1 << 30, serial_block_k=16),
-    "serial_tma": dict(serial_max_avg_tokens=1 << 30, scan_tma_min_tokens=0),
+    "serial": dict(serial_max_tokens=1 << 30, serial_block_k=16),
+    "serial_tma": dict(serial_max_tokens=1 << 30, scan_tma_min_tokens=0),
     "two_kernels": dict(state_serial=False),  # chunk states, then their passing, at every batch size
 }
 _variant: dict[str, Any] = {}
@@ -87,7 +88,7 @@ def run_case(
     chunk: int = CHUNK, dtype: torch.dtype = torch.float32, pool_dtype: torch.dtype = torch.float32,
     limit: Sequence[float] = INF_LIMIT, boundaries: bool = True, with_D_bias: bool = True,
     softplus: bool = True, strided: bool = False, nan_in_unread_slots: bool = False,
-    dstate: int = N, config: SSDConfig | None = None, fp32_tol: float = 1e-4,
+    dstate: int = N, config: SSDConfig | None = None, fp32_tol: float = 1e-4, max_seqlen: int | None = None,
 ) -> tuple[ScanOutput, ScanOutput]:
     """Scan one batch with both implementations; check out, pool and boundary states; return both."""
     g = gen(seed)
@@ -120,7 +121,7 @@ def run_case(
             cu_seqlens=i32(cu_of(lengths)).to(DEV), context_lens=i32(ctx).to(DEV), ssm_state=pool_,
             state_indices=i32(slots).to(DEV), has_initial_state=torch.tensor(list(has_init), device=DEV),
             D=None if D is None else D.to(DEV), dt_bias=None if dt_bias is None else dt_bias.to(DEV),
-            dt_softplus=softplus, dt_limit=limit, return_boundary_states=boundaries,
+            dt_softplus=softplus, dt_limit=limit, return_boundary_states=boundaries, max_seqlen=max_seqlen,
         )
 
     if _variant:  # the variant's fields, where an explicit config left them at their defaults
@@ -242,7 +243,7 @@ LONG_CHUNK_FP32_TOL = 5e-4
 def test_serial_state_steps_within_a_chunk(block_k: int) -> None:
     # chunks of 4 steps (or one whole step): short first chunks after mid-chunk histories, sequences
     # ending a step, a chunk or a token past a boundary, one shorter than a step
-    config = SSDConfig(serial_max_avg_tokens=1 << 30, serial_block_k=block_k, serial_block_n=N // 2)
+    config = SSDConfig(serial_max_tokens=1 << 30, serial_block_k=block_k, serial_block_n=N // 2)
     run_case([3, 70, 64, 17, 129], [0, 9, 64, 50, 31], [True, False, True, True, True], G=2, seed=22,
              chunk=4 * CHUNK, dstate=N, config=config, fp32_tol=LONG_CHUNK_FP32_TOL)
     run_case([3, 70, 64, 17, 129], [0, 9, 64, 50, 31], [True, False, True, True, True], G=2, seed=22,
@@ -256,6 +257,25 @@ def test_scan_row_blocks_of_long_chunks(dtype: torch.dtype) -> None:
     config = SSDConfig(scan_block_m=CHUNK, scan_block_k=CHUNK // 2)
     run_case([3, 70, 64, 17, 129], [0, 9, 64, 50, 31], [True, False, True, True, True], seed=23,
              chunk=4 * CHUNK, dtype=dtype, pool_dtype=dtype, config=config, fp32_tol=LONG_CHUNK_FP32_TOL)
+
+
+def test_serial_states_only_for_short_sequences() -> None:
+    cfg = SSDConfig(serial_max_tokens=1024)
+    assert use_serial_states(cfg, 16 * 1024, 16, None)  # the average stands in for the longest
+    assert not use_serial_states(cfg, 8192, 1, None)
+    assert use_serial_states(cfg, 7680 + 7 * 64, 8, None)  # one long among short ones: unseen
+    assert not use_serial_states(cfg, 7680 + 7 * 64, 8, 7680)  # ... unless the caller says so
+    assert use_serial_states(cfg, 64 * 128, 64, 128) and use_serial_states(cfg, 1024, 1, 1024)
+    assert not use_serial_states(SSDConfig(state_serial=False), 64 * 128, 64, 128)
+
+
+@pytest.mark.parametrize("hint", [False, True])
+def test_longest_sequence_hint(hint: bool) -> None:
+    # the average (26 tokens) is under the serial threshold, the longest (90) over it: without the
+    # hint the serial kernel runs, with it the two kernels; the same results either way
+    config = SSDConfig(serial_max_tokens=40 * X)
+    run_case([5, 90, 5, 5], [3, 20, 0, 17], [True, True, False, True], seed=24, config=config,
+             max_seqlen=90 * X if hint else None)
 
 
 def test_logical_chunk_bound_holds() -> None:
