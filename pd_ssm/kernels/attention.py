@@ -35,16 +35,8 @@ def _check_caches(k: str, k_cache: Tensor, v_cache: Tensor) -> None:
         check_contiguous(k, name, t)
 
 
-def write_kv_cache_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """k_cache/v_cache[slot_mapping[t]] <- k[t], v[t], in place; tokens with a negative slot are skipped.
-
-    Shapes:
-      k, v          [T, num_kv_heads, head_dim]   stride 1 on the last axis
-      k_cache       [num_blocks, block_size, num_kv_heads, head_dim]  contiguous
-      v_cache       same as k_cache
-      slot_mapping  [T] int64, block_id * block_size + offset, or < 0 to skip; distinct when >= 0
-    Values are cast to the cache's dtype.
-    """
+def _check_kv_write_args(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """write_kv_cache's argument checks, shared by the reference and the Triton launcher."""
     name = "write_kv_cache"
     _check_caches(name, k_cache, v_cache)
     _, _, hkv, d = k_cache.shape
@@ -59,6 +51,20 @@ def write_kv_cache_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, s
     check_last_dim_contiguous(name, "k", k)
     check_last_dim_contiguous(name, "v", v)
     check_same_device(name, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+
+
+def write_kv_cache_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """k_cache/v_cache[slot_mapping[t]] <- k[t], v[t], in place; tokens with a negative slot are skipped.
+
+    Shapes:
+      k, v          [T, num_kv_heads, head_dim]   stride 1 on the last axis
+      k_cache       [num_blocks, block_size, num_kv_heads, head_dim]  contiguous
+      v_cache       same as k_cache
+      slot_mapping  [T] int64, block_id * block_size + offset, or < 0 to skip; distinct when >= 0
+    Values are cast to the cache's dtype.
+    """
+    _check_kv_write_args(k, v, k_cache, v_cache, slot_mapping)
+    _, _, hkv, d = k_cache.shape
     keep = slot_mapping >= 0  # [T]
     slots = slot_mapping[keep]  # [T'] (boolean indexing: a host sync, fine for the reference)
     k_cache.view(-1, hkv, d).index_copy_(0, slots, k[keep].to(k_cache.dtype))
@@ -84,6 +90,25 @@ def _check_attention_args(
     check_dtype(k, "block_tables", block_tables, (torch.int32,))
     check_last_dim_contiguous(k, "q", q)
     check_same_device(k, q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens, block_tables=block_tables)
+
+
+def _check_prefill_args(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor, block_tables: Tensor
+) -> None:
+    """varlen_prefill_attention's argument checks (shapes, dtypes, devices; not the offsets' values),
+    shared by the reference and the Triton launcher."""
+    k = "varlen_prefill_attention"
+    _check_attention_args(k, q, k_cache, v_cache, seq_lens, block_tables)
+    check_shape(k, "cu_seqlens_q", cu_seqlens_q, "[S+1]", (seq_lens.shape[0] + 1,))
+    check_dtype(k, "cu_seqlens_q", cu_seqlens_q, (torch.int32,))
+    check_same_device(k, q=q, cu_seqlens_q=cu_seqlens_q)
+
+
+def _check_decode_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, block_tables: Tensor) -> None:
+    """paged_decode_attention's argument checks, shared by the reference and the Triton launcher."""
+    k = "paged_decode_attention"
+    _check_attention_args(k, q, k_cache, v_cache, seq_lens, block_tables)
+    check_shape(k, "q", q, "[B, num_heads, head_dim]", (seq_lens.shape[0], q.shape[1], q.shape[2]))
 
 
 def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -118,10 +143,7 @@ def varlen_prefill_attention_ref(
     Reads cu_seqlens_q and seq_lens on the host (one device sync); the Triton kernel does not.
     """
     k = "varlen_prefill_attention"
-    _check_attention_args(k, q, k_cache, v_cache, seq_lens, block_tables)
-    check_shape(k, "cu_seqlens_q", cu_seqlens_q, "[S+1]", (seq_lens.shape[0] + 1,))
-    check_dtype(k, "cu_seqlens_q", cu_seqlens_q, (torch.int32,))
-    check_same_device(k, q=q, cu_seqlens_q=cu_seqlens_q)
+    _check_prefill_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
     T, H, D = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     cu: list[int] = cu_seqlens_q.tolist()
@@ -170,9 +192,7 @@ def paged_decode_attention_ref(
     Returns out [B, num_heads, head_dim] in q.dtype. No host synchronization: every table entry is
     gathered and positions >= seq_len are masked.
     """
-    k = "paged_decode_attention"
-    _check_attention_args(k, q, k_cache, v_cache, seq_lens, block_tables)
-    check_shape(k, "q", q, "[B, num_heads, head_dim]", (seq_lens.shape[0], q.shape[1], q.shape[2]))
+    _check_decode_args(q, k_cache, v_cache, seq_lens, block_tables)
     B, H, D = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     n_max = block_tables.shape[1] * block_size

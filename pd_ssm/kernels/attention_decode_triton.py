@@ -17,9 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pd_ssm.kernels._checks import check_shape
 from pd_ssm.kernels._device import num_sms, on_device
-from pd_ssm.kernels.attention import _check_attention_args
+from pd_ssm.kernels.attention import _check_decode_args
 
 
 @triton.jit
@@ -216,9 +215,7 @@ def paged_decode_attention_triton(
     the context is split into slices (their number chosen from shapes only) when B * num_kv_heads
     programs would leave the GPU idle, and a second launch combines the slices.
     """
-    k = "paged_decode_attention"
-    _check_attention_args(k, q, k_cache, v_cache, seq_lens, block_tables)
-    check_shape(k, "q", q, "[B, num_heads, head_dim]", (seq_lens.shape[0], q.shape[1], q.shape[2]))
+    _check_decode_args(q, k_cache, v_cache, seq_lens, block_tables)
     H, D, hkv = q.shape[1], q.shape[2], k_cache.shape[2]
     cfg = default_decode_config(q.dtype, k_cache.dtype, H // hkv, D)
     return launch_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, cfg)

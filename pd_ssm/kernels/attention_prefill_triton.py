@@ -14,9 +14,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pd_ssm.kernels._checks import check_dtype, check_same_device, check_shape
 from pd_ssm.kernels._device import on_device
-from pd_ssm.kernels.attention import _check_attention_args
+from pd_ssm.kernels.attention import _check_prefill_args
 
 
 @triton.jit
@@ -155,11 +154,7 @@ def varlen_prefill_attention_triton(
     [T, num_heads, head_dim] in q.dtype. No host synchronization: cu_seqlens_q and seq_lens are
     trusted, not checked (the reference checks them on the host).
     """
-    k = "varlen_prefill_attention"
-    _check_attention_args(k, q, k_cache, v_cache, seq_lens, block_tables)
-    check_shape(k, "cu_seqlens_q", cu_seqlens_q, "[S+1]", (seq_lens.shape[0] + 1,))
-    check_dtype(k, "cu_seqlens_q", cu_seqlens_q, (torch.int32,))
-    check_same_device(k, q=q, cu_seqlens_q=cu_seqlens_q)
+    _check_prefill_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
     T, H, D = q.shape
     S = seq_lens.shape[0]
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]

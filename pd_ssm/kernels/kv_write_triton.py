@@ -3,21 +3,12 @@ no host synchronization."""
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from pd_ssm.kernels._checks import (
-    FLOAT_DTYPES,
-    check_dtype,
-    check_last_dim_contiguous,
-    check_ndim,
-    check_same_device,
-    check_shape,
-)
 from pd_ssm.kernels._device import on_device
-from pd_ssm.kernels.attention import _check_caches
+from pd_ssm.kernels.attention import _check_kv_write_args
 
 
 @triton.jit
@@ -57,20 +48,9 @@ def write_kv_cache_triton(
       slot_mapping  [T] int64, block_id * block_size + offset, or < 0 to skip; distinct when >= 0
     Values are cast to the cache's dtype. One launch, no host synchronization.
     """
-    name = "write_kv_cache"
-    _check_caches(name, k_cache, v_cache)
-    _, _, hkv, d = k_cache.shape
-    check_ndim(name, "k", k, "[T, num_kv_heads, head_dim]")
+    _check_kv_write_args(k, v, k_cache, v_cache, slot_mapping)
     T = k.shape[0]
-    check_shape(name, "k", k, "[T, num_kv_heads, head_dim]", (T, hkv, d))
-    check_shape(name, "v", v, "[T, num_kv_heads, head_dim]", (T, hkv, d))
-    check_shape(name, "slot_mapping", slot_mapping, "[T]", (T,))
-    check_dtype(name, "k", k, FLOAT_DTYPES)
-    check_dtype(name, "v", v, FLOAT_DTYPES)
-    check_dtype(name, "slot_mapping", slot_mapping, (torch.int64,))
-    check_last_dim_contiguous(name, "k", k)
-    check_last_dim_contiguous(name, "v", v)
-    check_same_device(name, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    _, _, hkv, d = k_cache.shape
     if T == 0:
         return
     block_h, block_d = triton.next_power_of_2(hkv), triton.next_power_of_2(d)
