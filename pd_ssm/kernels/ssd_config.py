@@ -54,6 +54,9 @@ class SSDConfig:
     # 7680 + 512. Its x and B tiles go through TMA descriptors under scan_tma's conditions
     state_serial: bool = True
     serial_max_tokens: int = 1024
+    # the serial path's chunk where it divides the model's (ssd_triton.kernel_chunk): 12% faster at 16 x
+    # 1024 tokens than the model's 256 (H200, benchmarks/RESULTS.md, session 14)
+    serial_chunk: int = 128
     serial_block_n: int = 64  # dstate columns per serial program
     serial_block_k: int = 64  # tokens a step of the serial program (a power of two dividing the chunk)
     serial_warps: int = 4
@@ -62,6 +65,8 @@ class SSDConfig:
     def __post_init__(self) -> None:
         if self.scan_cb not in ("fused", "fp32", "low"):
             raise ValueError(f"SSDConfig.scan_cb must be 'fused', 'fp32' or 'low', not {self.scan_cb!r}")
+        if self.serial_chunk < 1:
+            raise ValueError(f"SSDConfig.serial_chunk must be >= 1, not {self.serial_chunk}")
         if self.scan_heads not in (1, 2, 4) or self.scan_head_loop < 1:
             raise ValueError(f"SSDConfig: scan_heads must be 1, 2 or 4 and scan_head_loop >= 1 "
                              f"(got {self.scan_heads}, {self.scan_head_loop})")

@@ -6,8 +6,8 @@ their block shapes and switches in `ssd_config.py`.
 Four launches: chunk metadata, chunk states (dt' and its cumsum fused in), state passing along each
 sequence, chunk scan (the C B^T product fused in). For batches of short sequences (bf16 / fp16:
 at most SSDConfig.serial_max_tokens, `use_serial_states`) the middle two are one launch that walks
-each sequence; with SSDConfig.scan_cb != "fused", one more launch makes
-C B^T once per (chunk, group) and the scan loads it.
+each sequence, in chunks of SSDConfig.serial_chunk (`kernel_chunk`); with SSDConfig.scan_cb !=
+"fused", one more launch makes C B^T once per (chunk, group) and the scan loads it.
 
 No host synchronization unless return_boundary_states is set: the logical-chunk grid is sized by
 an upper bound computed from shapes alone, and programs past the real count exit at once. The
@@ -82,6 +82,23 @@ def use_serial_states(cfg: SSDConfig, num_tokens: int, num_seqs: int, max_seqlen
     return max_seqlen <= cfg.serial_max_tokens
 
 
+def kernel_chunk(cfg: SSDConfig, chunk_size: int, serial: bool, num_tokens: int, num_seqs: int) -> int:
+    """The chunk the kernels scan in: the model's, or on the serial path cfg.serial_chunk where that
+    is smaller, divides it, and the sequences average at least two of them. The result is the same
+    function of the inputs either way (the chunking is the algorithm's, not the model's); boundary
+    states stay at the model's multiples.
+
+    A smaller chunk shortens the scan's causal part (about Q / 2 sources a row) and adds states
+    entering chunks (T / Q of them). The serial path stores only those (in the dot dtype) and gains
+    at 128 against 256 (H200, 2.7B shapes, benchmarks/RESULTS.md, session 14): 10-13% from 32 x 256
+    to 16 x 1024 tokens; but 64 x 128 tokens lose 9% (sequences of one or two chunks either way).
+    The two-kernel path also writes and reads every chunk's own fp32 state, and gains nothing.
+    """
+    small = cfg.serial_chunk
+    fits = small < chunk_size and chunk_size % small == 0 and num_tokens >= 2 * small * num_seqs
+    return small if serial and fits else chunk_size
+
+
 def _tma_readable(x: Tensor, B: Tensor, C: Tensor, block_p: int, block_n: int) -> bool:
     """Whether TMA descriptors can read x as [T, H * P] and B, C as [T, G * N]: a head's or a
     group's tile must be exactly P or N wide (a wider one would read the next head or group), and
@@ -151,7 +168,6 @@ def ssd_scan_with_config(
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     S = cu_seqlens.shape[0] - 1
-    Q = chunk_size
     if P > 256 or N > 256:
         raise ValueError(f"mamba_chunk_scan_varlen_triton: headdim ({P}) and dstate ({N}) must be <= 256")
     dev = x.device
@@ -163,17 +179,18 @@ def ssd_scan_with_config(
 
     same = x.dtype == B.dtype == C.dtype
     dot_dtype = x.dtype if same else torch.float32
+    cfg = config or default_config(dot_dtype)
+    serial = use_serial_states(cfg, T, S, max_seqlen)
+    Q = kernel_chunk(cfg, chunk_size, serial, T, S)  # the kernels' chunk; boundary states stay at chunk_size
     K = max_logical_chunks(T, S, Q)
     PN = P * N
 
     # scratch: one int32 and one fp32 allocation, carved into views
     meta = torch.empty(4 * K + 3 * S + 1, dtype=torch.int32, device=dev)
     chunk_info, seq_first, seq_end, bcu = meta.split([4 * K, S, S, S + 1])
-    cfg = config or default_config(dot_dtype)
     # NOTE: low chunk states halve the largest round trip (K H P N values written, then read);
     # each is rounded once, before the fp32 sum along the sequence
     low_states = cfg.chunk_states_low and dot_dtype != torch.float32
-    serial = use_serial_states(cfg, T, S, max_seqlen)
     own_states = 0 if low_states or serial else K * H * PN  # fp32 chunk end states (two-kernel path)
     work = torch.empty(2 * H * K * Q + own_states, dtype=torch.float32, device=dev)
     dt_buf, cs_buf, states = work.split([H * K * Q, H * K * Q, own_states])
@@ -183,7 +200,7 @@ def ssd_scan_with_config(
 
     _ssd_chunk_meta_kernel[(1,)](
         cu_seqlens, context_lens, chunk_info, seq_first, seq_end, bcu,
-        S, K, Q, S.bit_length(), BLOCK=256, num_warps=4,
+        S, K, Q, S.bit_length(), chunk_size // Q, BLOCK=256, num_warps=4,
     )
 
     def boundary_out() -> Tensor:
@@ -220,7 +237,7 @@ def ssd_scan_with_config(
         _ssd_state_serial_kernel[(H, S, triton.cdiv(N, serial_bn))](
             x, dt, A, dt_bias, B, cu_seqlens, context_lens, seq_first, bcu, state_indices, has_initial_state,
             dt_buf, cs_buf, starts, ssm_state, bstates, sx_desc, sB_desc,
-            *sizes,
+            *sizes, chunk_size // Q,
             **dt_args, TMA=serial_tma, RETURN_BOUNDARY=return_boundary_states, STEP=step, BLOCK_K=serial_bk,
             BLOCK_P=BP, BLOCK_N=serial_bn, num_warps=cfg.serial_warps, num_stages=serial_stages, **dot,
         )

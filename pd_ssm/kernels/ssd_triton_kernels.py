@@ -72,6 +72,18 @@ def _dt_block(dt_ptrs, live, dt_bias_ptr, h, dt_min, dt_max, HAS_DT_BIAS: tl.con
     return tl.where(live, dt, 0.0)
 
 
+@triton.jit
+def _boundary_row(ctx, j, length, chunk_size, bound_chunks):
+    """Which boundary state chunk j of a sequence (context ctx, `length` tokens) ends on, counted
+    from the sequence's first, or -1. Boundaries are the absolute multiples of
+    chunk_size * bound_chunks (the model's chunk) that the sequence crosses; every chunk but
+    possibly the last ends on a multiple of chunk_size."""
+    ends = ctx // chunk_size + j + 1  # the chunk's end, in chunks, were it whole
+    whole = ends * chunk_size <= ctx + length
+    on = whole & (ends % bound_chunks == 0)
+    return tl.where(on, ends // bound_chunks - ctx // (chunk_size * bound_chunks) - 1, -1)
+
+
 # NOTE: batch-dependent sizes are not specialized on, so a new batch never recompiles
 @triton.jit(do_not_specialize=["S", "K_max", "search_iters"])
 def _ssd_chunk_meta_kernel(
@@ -80,6 +92,7 @@ def _ssd_chunk_meta_kernel(
     chunk_ptr, seq_first_ptr, seq_end_ptr, bcu_ptr,  # [K, 4], [S], [S], [S+1] int32 outputs
     # dimensions
     S, K_max, chunk_size, search_iters,
+    bound_chunks,  # chunks between two boundary states (the model's chunk / the kernel's chunk)
     # meta-parameters
     BLOCK: tl.constexpr,
 ):
@@ -93,7 +106,8 @@ def _ssd_chunk_meta_kernel(
         length = tl.load(cu_ptr + s + 1, mask=ms, other=0) - c0
         ctx = tl.load(ctx_ptr + s, mask=ms, other=0)
         nch = tl.where(ms, (ctx % chunk_size + length + chunk_size - 1) // chunk_size, 0)
-        nb = tl.where(ms, (ctx + length) // chunk_size - ctx // chunk_size, 0)  # boundaries crossed
+        bound = chunk_size * bound_chunks
+        nb = tl.where(ms, (ctx + length) // bound - ctx // bound, 0)  # boundaries crossed
         end = tl.cumsum(nch, 0) + carry_c
         tl.store(seq_end_ptr + s, end, mask=ms)
         tl.store(seq_first_ptr + s, end - nch, mask=ms)
@@ -117,18 +131,18 @@ def _ssd_chunk_meta_kernel(
         first = tl.load(seq_first_ptr + s, mask=ok, other=0)
         c0 = tl.load(cu_ptr + s, mask=ok, other=0)
         c1 = tl.load(cu_ptr + s + 1, mask=ok, other=0)
-        r = tl.load(ctx_ptr + s, mask=ok, other=0) % chunk_size
+        ctx = tl.load(ctx_ptr + s, mask=ok, other=0)
+        r = ctx % chunk_size
         b0 = tl.load(bcu_ptr + s, mask=ok, other=0)
-        nb = tl.load(bcu_ptr + s + 1, mask=ok, other=0) - b0
         j = k - first  # chunk index inside the sequence
         start = c0 + tl.maximum(j * chunk_size - r, 0)
         stop = tl.minimum(c0 + (j + 1) * chunk_size - r, c1)
         mk = k < K_max
-        # every chunk but possibly a sequence's last ends on an absolute boundary
+        brow = _boundary_row(ctx, j, c1 - c0, chunk_size, bound_chunks)
         tl.store(chunk_ptr + 4 * k, s, mask=mk)
         tl.store(chunk_ptr + 4 * k + 1, tl.where(ok, start, 0), mask=mk)
         tl.store(chunk_ptr + 4 * k + 2, tl.where(ok, stop - start, 0), mask=mk)
-        tl.store(chunk_ptr + 4 * k + 3, tl.where(ok & (j < nb), b0 + j, -1), mask=mk)
+        tl.store(chunk_ptr + 4 * k + 3, tl.where(ok & (brow >= 0), b0 + brow, -1), mask=mk)
 
 
 @triton.jit(do_not_specialize=["K_max"])

@@ -20,8 +20,8 @@ chunk, its last chunk may be short. A step of tokens [a, a + STEP) of a chunk:
 which is the chunk-end formula taken a step at a time (every e^{...} is of a sum <= 0). The state
 entering a chunk is stored (dot dtype) at its first step for the scan; at its last step the rest of
 dt_buf / cs_buf up to CHUNK is filled (0 / flat) as the two-kernel path leaves it, and a boundary
-state (a chunk ending on an absolute multiple of CHUNK) is stored when asked for. The final state
-goes to the pool slot in place.
+state (a chunk ending on an absolute multiple of the model's chunk, bound_chunks * CHUNK) is
+stored when asked for. The final state goes to the pool slot in place.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pd_ssm.kernels.ssd_triton_kernels import _cast, _dot, _dt_block
+from pd_ssm.kernels.ssd_triton_kernels import _boundary_row, _cast, _dot, _dt_block
 
 
 @triton.jit(do_not_specialize=["K_max"])
@@ -43,6 +43,7 @@ def _ssd_state_serial_kernel(
     K_max, nheads, headdim, dstate, heads_per_group, dt_min, dt_max,
     # strides (token, head / group); the last axes have stride 1
     stride_x_t, stride_x_h, stride_dt_t, stride_dt_h, stride_B_t, stride_B_g,
+    bound_chunks,  # chunks between two boundary states (the model's chunk / CHUNK)
     # meta-parameters
     CHUNK: tl.constexpr, CHUNK_PAD: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     HAS_DT_LIMIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -57,9 +58,9 @@ def _ssd_state_serial_kernel(
     first = tl.load(seq_first_ptr + s)
     c0 = tl.load(cu_ptr + s)
     c1 = tl.load(cu_ptr + s + 1)
-    r = tl.load(ctx_ptr + s) % CHUNK  # a mid-chunk start makes the first chunk CHUNK - r long
+    ctx = tl.load(ctx_ptr + s)
+    r = ctx % CHUNK  # a mid-chunk start makes the first chunk CHUNK - r long
     b0 = tl.load(bcu_ptr + s)
-    nbound = tl.load(bcu_ptr + s + 1) - b0  # the first nbound chunks end on an absolute boundary
     A_h = tl.load(A_ptr + h)
     g = h // heads_per_group
     PN = headdim * dstate
@@ -126,6 +127,7 @@ def _ssd_state_serial_kernel(
         state = _dot(xw, _cast(Bk, DOT_DTYPE, INTERPRETED), state * tl.exp(d), DOT_PRECISION, INTERPRETED)
         if RETURN_BOUNDARY:
             if end:
-                brow = (b0 + j).to(tl.int64)
-                tl.store(bstates_ptr + (brow * nheads + h) * PN + tile, state, mask=mpn & (j < nbound))
+                brow = _boundary_row(ctx, j, c1 - c0, CHUNK, bound_chunks)
+                tl.store(bstates_ptr + ((b0 + brow).to(tl.int64) * nheads + h) * PN + tile, state,
+                         mask=mpn & (brow >= 0))
     tl.store(pool_ptrs, _cast(state, pool_ptr.dtype.element_ty, INTERPRETED), mask=mpn)

@@ -23,6 +23,7 @@ pytest.importorskip("triton")
 from pd_ssm.kernels.ssd import ScanOutput, _chunk_grid, mamba_chunk_scan_varlen_ref  # noqa: E402
 from pd_ssm.kernels.ssd_config import SSDConfig  # noqa: E402
 from pd_ssm.kernels.ssd_triton import (  # noqa: E402
+    kernel_chunk,
     mamba_chunk_scan_varlen_triton,
     max_logical_chunks,
     ssd_scan_with_config,
@@ -67,6 +68,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "serial": dict(serial_max_tokens=1 << 30, serial_block_k=16),
     "serial_tma": dict(serial_max_tokens=1 << 30, scan_tma_min_tokens=0),
     "two_kernels": dict(state_serial=False),  # chunk states, then their passing, at every batch size
+    # the serial path in chunks of a quarter of the model's where sequences average two of them (the
+    # default's 128 of 256 never shows at these chunks): boundary states still at the model's multiples
+    "serial_subchunk": dict(serial_max_tokens=1 << 30, serial_chunk=CHUNK // 4),
 }
 _variant: dict[str, Any] = {}
 
@@ -248,6 +252,31 @@ def test_serial_state_steps_within_a_chunk(block_k: int) -> None:
              chunk=4 * CHUNK, dstate=N, config=config, fp32_tol=LONG_CHUNK_FP32_TOL)
     run_case([3, 70, 64, 17, 129], [0, 9, 64, 50, 31], [True, False, True, True, True], G=2, seed=22,
              chunk=4 * CHUNK, dtype=torch.bfloat16, pool_dtype=torch.bfloat16, config=config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("serial_chunk", [CHUNK, CHUNK // 2])
+def test_serial_kernel_chunks_keep_the_models_boundaries(dtype: torch.dtype, serial_chunk: int) -> None:
+    # kernel chunks of a quarter / an eighth of the model's: sequences starting mid-chunk and
+    # mid-kernel-chunk, ending on a model boundary (64 + 64), on a kernel chunk's end that is not one
+    # (9 + 7 * CHUNK / X), a token past a boundary (50 + 15) and inside a kernel chunk; boundary states
+    # only at the model's multiples (the reference's count and order)
+    config = SSDConfig(serial_max_tokens=1 << 30, serial_chunk=serial_chunk)
+    assert kernel_chunk(config, 4 * CHUNK, True, 363 * X, 6) == serial_chunk
+    run_case([3, 7 * CHUNK // X, 64, 15, 129, 40], [0, 9, 64, 50, 31, 2], [True, False, True, True, True, False],
+             G=2, seed=25, chunk=4 * CHUNK, dtype=dtype, pool_dtype=dtype, config=config,
+             fp32_tol=LONG_CHUNK_FP32_TOL)
+
+
+def test_kernel_chunk_only_on_the_serial_path_where_it_pays() -> None:
+    cfg = SSDConfig(serial_chunk=128)
+    assert kernel_chunk(cfg, 256, True, 16 * 1024, 16) == 128 and kernel_chunk(cfg, 384, True, 256, 1) == 128
+    assert kernel_chunk(cfg, 256, False, 16 * 1024, 16) == 256  # the two kernels keep the model's
+    assert kernel_chunk(cfg, 128, True, 1024, 1) == 128 and kernel_chunk(cfg, 64, True, 1024, 1) == 64
+    assert kernel_chunk(cfg, 200, True, 1024, 1) == 200  # 128 does not divide it
+    assert kernel_chunk(cfg, 256, True, 64 * 128, 64) == 256  # sequences of one or two chunks either way
+    with pytest.raises(ValueError, match="serial_chunk"):
+        SSDConfig(serial_chunk=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
