@@ -5,7 +5,7 @@ On the GPU machine, from the repository root (third_party carried):
     pip install -q --no-index --no-deps --target /tmp/site third_party/wheels/einops*.whl
     PYTHONPATH=.:third_party/baseline:/tmp/site python3 benchmarks/ssd_host_gpu.py
 
-Per case and variant (ssd_sweep_gpu.py's inputs and variants): eager do_bench median (what the
+Per case and variant (ssd_sweep_gpu.py's inputs and variants, by name in SSD_HOST_VARIANTS): eager do_bench median (what the
 sweep reports), CUDA-graph replay (device time alone), and host time a call (calls issued behind
 a long `torch.cuda._sleep`, so the queue never drains and the loop's wall time is the host's).
 Then cProfile of ours at 1 x 8192, the top functions by own time. Writes $OUT/ssd_host.json.
@@ -23,18 +23,15 @@ import time
 from dataclasses import replace
 from typing import Any
 
-sys.argv = [sys.argv[0], "--only", "default"]  # the sweep module parses its own options at import
+sys.argv = [sys.argv[0]]  # the sweep module parses its own options at import
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ssd_sweep_gpu as sw  # noqa: E402
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+# variants of ssd_sweep_gpu.py by name (SSD_HOST_VARIANTS, comma-separated)
 VARIANTS: dict[str, dict[str, Any]] = {
-    "default": {},
-    "q128": dict(_chunk=128),
-    "q128 states_low": dict(_chunk=128, state_serial=False, chunk_states_low=True),
-    "q128 serial": dict(_chunk=128, serial_max_tokens=1 << 30),
-    "q64 serial": dict(_chunk=64, serial_max_tokens=1 << 30),
+    k: sw.VARIANTS_ALL[k] for k in os.environ.get("SSD_HOST_VARIANTS", "default,q128 serial,q64 serial").split(",")
 }
 CASES = {"1x2048": ([2048], "fresh"), "1x8192": ([8192], "fresh"), "16x1024 unaligned": ([1024] * 16, "unaligned"),
          "1x32768": ([32768], "fresh")}
@@ -73,7 +70,6 @@ def graph_ms(fn: Any, sets: list[Any]) -> float:
 def main() -> None:
     out_dir = os.environ.get("OUT", "/tmp/out")
     os.makedirs(out_dir, exist_ok=True)
-    base = sw.default_config(torch.bfloat16)
     res: dict[str, Any] = {}
     for name, (lengths, mode) in CASES.items():
         sets = sw.rotating(lengths, mode)
@@ -81,7 +77,7 @@ def main() -> None:
         for vname, over in VARIANTS.items():
             over = dict(over)
             q = over.pop("_chunk", sw.Q)
-            cfg = replace(base, **over)
+            cfg = replace(sw.default_config(torch.bfloat16, sum(lengths)), **over)
 
             def fn(s: Any, cfg: Any = cfg, q: int = q) -> Any:
                 return sw.ours(s, cfg, q=q)
@@ -90,15 +86,20 @@ def main() -> None:
             sw.log(name, vname, row[vname])
         if sw.mamba_chunk_scan_combined is not None:
             row["mamba_ssm"] = dict(eager_ms=sw.bench(sw.mamba, sets), host_us=host_us(sw.mamba, sets))
+            try:  # its device time alone, where its call can be captured
+                row["mamba_ssm"]["graph_ms"] = graph_ms(sw.mamba, sets)
+            except Exception as e:  # noqa: BLE001
+                row["mamba_ssm"]["graph_error"] = repr(e)[:200]
+                torch.cuda.synchronize()
             sw.log(name, "mamba_ssm", row["mamba_ssm"])
         res[name] = row
         del sets
         torch.cuda.empty_cache()
     sets = sw.rotating([8192], "fresh")
-    for vname in ("default", "q128 serial"):
+    for vname in list(VARIANTS)[:2]:
         over = dict(VARIANTS[vname])
         q = over.pop("_chunk", sw.Q)
-        cfg = replace(base, **over)
+        cfg = replace(sw.default_config(torch.bfloat16, 8192), **over)
         for k in range(3):
             sw.ours(sets[k % len(sets)], cfg, q=q)
         torch.cuda.synchronize()

@@ -151,7 +151,22 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "scan w8": dict(scan_warps=8),
     "serial bk32 s4 bn64": dict(serial_block_k=32, serial_stages=4),
     "serial bk128 w8 s2 bn64": dict(serial_block_k=128, serial_warps=8, serial_stages=2),
+    # the shared-C B^T scans again, now that the serial path's chunks are 128 (a quarter of the CB work)
+    "heads2 bk16": dict(scan_heads=2, scan_block_k=16),
+    "cb_low s2": dict(scan_cb="low", scan_stages=2),
+    "cb_low heads2": dict(scan_cb="low", scan_heads=2),
+    # two stages: less shared memory a scan program, four programs an SM instead of three
+    "cb_fp32 s2": dict(scan_cb="fp32", scan_stages=2),
+    "cb_fp32 s2 r128": dict(scan_cb="fp32", scan_stages=2, scan_maxnreg=128),
+    "cb_fp32 s2 cb128": dict(scan_cb="fp32", scan_stages=2, cb_block=128),
+    # the scan as it was before session 14's defaults (C B^T fused, three stages), with and without the
+    # serial path's chunks of 128
+    "fused s3": dict(scan_cb="fused", scan_stages=3, scan_maxnreg=None),
+    "session 13 default": dict(scan_cb="fused", scan_stages=3, scan_maxnreg=None, serial_chunk=256),
+    # five programs an SM: 44 KB of shared memory and <= 102 registers
+    "cb_fp32 bk16 s2 r96": dict(scan_cb="fp32", scan_block_k=16, scan_stages=2, scan_maxnreg=96),
 }
+VARIANTS_ALL = dict(VARIANTS)
 if OPTS.only:
     VARIANTS = {k: v for k, v in VARIANTS.items() if k in OPTS.only.split(",")}
 try:
@@ -292,7 +307,9 @@ def bench(fn: Callable[[Inputs], Any], sets: list[Inputs]) -> float:
     return do_bench(step, warmup=10, rep=40, return_mode="median")
 
 
-def run_case(name: str, lengths: list[int], mode: str, base: SSDConfig) -> dict[str, Any]:
+def run_case(name: str, lengths: list[int], mode: str) -> dict[str, Any]:
+    # NOTE: variants override the default of this batch's size (default_config picks by tokens)
+    base = default_config(torch.bfloat16, sum(lengths))
     i = make_inputs(lengths, mode, seed=len(name))
     ref_pool = i.pool.clone()
     up = replace(i, x=i.x.float(), dt=i.dt.float(), B=i.B.float(), C=i.C.float(), pool=ref_pool)
@@ -330,9 +347,8 @@ def main() -> int:
     os.makedirs(OUT, exist_ok=True)
     import triton
 
-    base = default_config(torch.bfloat16)
     env = dict(device=torch.cuda.get_device_name() if CUDA else "cpu (TRITON_INTERPRET=1)", torch=torch.__version__,
-               triton=triton.__version__, tiny=OPTS.tiny, base_config=asdict(base),
+               triton=triton.__version__, tiny=OPTS.tiny, base_config=asdict(default_config(torch.bfloat16)),
                baseline=mamba_chunk_scan_combined is not None)
     log(env)
     results: dict[str, Any] = {"env": env, "variants": VARIANTS, "cases": {}}
@@ -340,7 +356,7 @@ def main() -> int:
         if time.time() - START > DEADLINE:
             log("deadline: skipping", name)
             continue
-        results["cases"][name] = run_case(name, lengths, mode, base)
+        results["cases"][name] = run_case(name, lengths, mode)
         json.dump(results, open(f"{OUT}/ssd_sweep.json", "w"), indent=1, default=str)
 
     failed = False

@@ -12,8 +12,8 @@ import torch
 class SSDConfig:
     """Block shapes and warps of the three heavy kernels.
 
-    Defaults (bf16 / fp16): the fastest of the sweep in benchmarks/ssd_gpu.py on an H200, Mamba2-2.7B
-    shapes (run 2 in benchmarks/NOTES_ssd.md).
+    Defaults (bf16 / fp16): the fastest of the sweeps in benchmarks/ssd_gpu.py and ssd_sweep_gpu.py on
+    an H200, Mamba2-2.7B shapes (benchmarks/NOTES_ssd.md); `default_config` picks per batch.
     """
 
     state_block_k: int = 32  # tokens per dot in the chunk-state kernel
@@ -79,5 +79,18 @@ _FP32_CONFIG = SSDConfig(state_block_k=64, state_warps=8, state_stages=2, scan_b
                          state_tma=False, state_serial=False)  # TMA, serial: not measured in fp32
 
 
-def default_config(dot_dtype: torch.dtype) -> SSDConfig:
-    return _FP32_CONFIG if dot_dtype == torch.float32 else SSDConfig()
+# NOTE: from LARGE_BATCH_TOKENS tokens (bf16 / fp16), C B^T is made once per (chunk, group) by its
+# own launch in fp32 and loaded by the scan, whose programs at two stages and <= 128 registers take
+# 56 KB of shared memory: four an SM, not three. The same rounding as the fused scan, 5-6% less
+# device time at 1 x 8192, 16 x 1024 and 1 x 32768 (1% at 1 x 2048; H200, 2.7B shapes, RESULTS.md
+# session 14); but one launch more, ~50-80 us of host time, which eager calls of fewer tokens do not
+# hide (on a slow host 1 x 8192 went 0.54 -> 0.60 ms), so smaller batches keep the fused scan
+LARGE_BATCH_TOKENS = 16384
+_LARGE_BATCH_CONFIG = SSDConfig(scan_cb="fp32", scan_stages=2, scan_maxnreg=128)
+
+
+def default_config(dot_dtype: torch.dtype, num_tokens: int = 0) -> SSDConfig:
+    """The config a launch without an explicit one runs: by the dots' dtype and the batch's tokens."""
+    if dot_dtype == torch.float32:
+        return _FP32_CONFIG
+    return _LARGE_BATCH_CONFIG if num_tokens >= LARGE_BATCH_TOKENS else SSDConfig()

@@ -179,7 +179,7 @@ def ssd_scan_with_config(
 
     same = x.dtype == B.dtype == C.dtype
     dot_dtype = x.dtype if same else torch.float32
-    cfg = config or default_config(dot_dtype)
+    cfg = config or default_config(dot_dtype, T)
     serial = use_serial_states(cfg, T, S, max_seqlen)
     Q = kernel_chunk(cfg, chunk_size, serial, T, S)  # the kernels' chunk; boundary states stay at chunk_size
     K = max_logical_chunks(T, S, Q)

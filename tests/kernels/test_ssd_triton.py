@@ -21,7 +21,7 @@ from torch import Tensor
 pytest.importorskip("triton")
 
 from pd_ssm.kernels.ssd import ScanOutput, _chunk_grid, mamba_chunk_scan_varlen_ref  # noqa: E402
-from pd_ssm.kernels.ssd_config import SSDConfig  # noqa: E402
+from pd_ssm.kernels.ssd_config import LARGE_BATCH_TOKENS, SSDConfig, default_config  # noqa: E402
 from pd_ssm.kernels.ssd_triton import (  # noqa: E402
     kernel_chunk,
     mamba_chunk_scan_varlen_triton,
@@ -68,6 +68,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "serial": dict(serial_max_tokens=1 << 30, serial_block_k=16),
     "serial_tma": dict(serial_max_tokens=1 << 30, scan_tma_min_tokens=0),
     "two_kernels": dict(state_serial=False),  # chunk states, then their passing, at every batch size
+    # the large-batch default (ssd_config.default_config from LARGE_BATCH_TOKENS): C B^T made once per
+    # (chunk, group) in fp32 and loaded by the scan, two stages, the scan's registers capped
+    "large_batch": dict(scan_cb="fp32", scan_stages=2, scan_maxnreg=128),
     # the serial path in chunks of a quarter of the model's where sequences average two of them (the
     # default's 128 of 256 never shows at these chunks): boundary states still at the model's multiples
     "serial_subchunk": dict(serial_max_tokens=1 << 30, serial_chunk=CHUNK // 4),
@@ -305,6 +308,14 @@ def test_longest_sequence_hint(hint: bool) -> None:
     config = SSDConfig(serial_max_tokens=40 * X)
     run_case([5, 90, 5, 5], [3, 20, 0, 17], [True, True, False, True], seed=24, config=config,
              max_seqlen=90 * X if hint else None)
+
+
+def test_default_config_by_dtype_and_batch() -> None:
+    small, large = default_config(torch.bfloat16, LARGE_BATCH_TOKENS - 1), default_config(torch.float16, LARGE_BATCH_TOKENS)
+    assert small == SSDConfig() and small.scan_cb == "fused"
+    assert large.scan_cb == "fp32" and large.scan_stages == 2 and large.scan_maxnreg == 128
+    fp32 = default_config(torch.float32, 1 << 20)  # IEEE dots on FMA units: their own tiles, no C B^T launch
+    assert fp32.scan_cb == "fused" and not fp32.scan_tma and not fp32.state_serial
 
 
 def test_logical_chunk_bound_holds() -> None:
