@@ -4,8 +4,11 @@ For each kernel and shape: median time (`triton.testing.do_bench`), the bytes it
 the FLOPs it must do, achieved GB/s and TFLOP/s as a percentage of the ceilings measured in the
 same run (device copy bandwidth, bf16 matmul rate), and the ratio to mamba_ssm's kernel when
 `mamba_ssm` is importable ("baseline not available" otherwise).  Prefill kernels are timed as
-eager launches (as the engine runs them); the decode kernels (state update, conv update) inside a
-CUDA graph of 32 calls, as the engine's decode step runs them, for ours and the baseline alike.  Inputs are random, never zeros,
+eager launches (as the engine runs them), and the SSD scan a second time inside a CUDA graph
+(`ssd [graph]`: device time alone; an eager call of up to ~8192 tokens is bound by its host time,
+mamba_ssm's ~0.5 ms most of all, so the eager ratio there follows the host's speed); the decode
+kernels (state update, conv update) inside a CUDA graph of 32 calls, as the engine's decode step
+runs them, for ours and the baseline alike.  Inputs are random, never zeros,
 and small cases rotate through several input sets larger than L2 so the cache is not measured.
 """
 
@@ -99,7 +102,10 @@ def _baseline() -> Any | None:
     return type("Baseline", (), {"ssd": ssd_combined.mamba_chunk_scan_combined, "ssu": ssu_mod.selective_state_update})
 
 
-def bench_ssd(k: Any, base: Any, dev: torch.device, lens: list[int], ctx: list[int]) -> tuple[float, float | None, int, float]:
+def bench_ssd(k: Any, base: Any, dev: torch.device, lens: list[int], ctx: list[int],
+              graph: bool = False) -> tuple[float, float | None, int, float]:
+    """Eager median ms of ours and the baseline, or with `graph` their device time inside a CUDA
+    graph (a baseline that cannot be captured: None)."""
     T, S = sum(lens), len(lens)
     g = torch.Generator(device=dev).manual_seed(0)
     n = _sets(T * (2 * D_INNER + 4 * DS) * 2)
@@ -125,7 +131,9 @@ def bench_ssd(k: Any, base: Any, dev: torch.device, lens: list[int], ctx: list[i
                                   ssm_state=pool, state_indices=idx, has_initial_state=has, D=D, dt_bias=dt_bias,
                                   dt_softplus=True)
 
-    ms = _bench(ours, n)
+    # NOTE: a few calls a graph: each holds its own scratch (~1 GB at 32768 tokens)
+    timer = functools.partial(_bench_graph, calls=4) if graph else _bench
+    ms = timer(ours, n)
     base_ms = None
     if base is not None:
         init = torch.randn(S, NH, HD, DS, device=dev, generator=g) if any(ctx) else None
@@ -139,7 +147,10 @@ def bench_ssd(k: Any, base: Any, dev: torch.device, lens: list[int], ctx: list[i
                 base.ssd(xs[i].view(S, L, NH, HD), dts[i].view(S, L, NH), A, Bs[i].view(S, L, NG, DS),
                          Cs[i].view(S, L, NG, DS), CHUNK, D=D, dt_bias=dt_bias, initial_states=init,
                          dt_softplus=True, return_final_states=True)
-        base_ms = _bench(theirs, n)
+        try:
+            base_ms = timer(theirs, n)
+        except RuntimeError:  # a host sync inside its call breaks the capture
+            torch.cuda.synchronize()
     nbytes = T * (2 * D_INNER * 2 + 2 * NG * DS * 2 + NH * 2) + 2 * S * NH * HD * DS * 4
     # per head and chunk of L tokens: C B^T (2 L^2 ds), its product with x (2 L^2 hd), the chunk
     # state (2 L hd ds) and the state's contribution to the output (2 L hd ds)
@@ -209,6 +220,14 @@ def bench_gated_norm(k: Any, dev: torch.device, T: int) -> tuple[float, None, in
     return ms, None, 3 * T * D_INNER * 2, 6.0 * T * D_INNER
 
 
+def _baseline_note(kernel: str, importable: bool, base_ms: float | None) -> str:
+    if kernel not in ("ssd", "ssd [graph]", "selective_state_update [graph]"):
+        return ""
+    if not importable:
+        return "baseline not available"
+    return "" if base_ms is not None else "baseline not capturable"
+
+
 def run(json_path: str | None = None) -> list[Row]:
     if not torch.cuda.is_available():
         raise RuntimeError("`pd-ssm bench kernels` needs a CUDA device")
@@ -218,12 +237,14 @@ def run(json_path: str | None = None) -> list[Row]:
     k = get_kernels("triton", dev)
     base = _baseline()
     copy_gbps, mma_tflops = measure_ceilings(dev)
+    ssd_shapes = [
+        ("1x2048", [2048], [0]), ("1x8192", [8192], [0]), ("1x32768", [32768], [0]),
+        ("16x1024 init, aligned", [1024] * 16, [256 * (i + 1) for i in range(16)]),
+        ("16x1024 init, mid-chunk", [1024] * 16, [37 * i + 5 for i in range(16)]),
+    ]
     cases: list[tuple[str, str, Callable[[], tuple[float, float | None, int, float]]]] = [
-        ("ssd", "1x2048", lambda: bench_ssd(k, base, dev, [2048], [0])),
-        ("ssd", "1x8192", lambda: bench_ssd(k, base, dev, [8192], [0])),
-        ("ssd", "1x32768", lambda: bench_ssd(k, base, dev, [32768], [0])),
-        ("ssd", "16x1024 init, aligned", lambda: bench_ssd(k, base, dev, [1024] * 16, [256 * (i + 1) for i in range(16)])),
-        ("ssd", "16x1024 init, mid-chunk", lambda: bench_ssd(k, base, dev, [1024] * 16, [37 * i + 5 for i in range(16)])),
+        (name, shape, functools.partial(bench_ssd, k, base, dev, lens, ctx, graph=graph))
+        for name, graph in (("ssd", False), ("ssd [graph]", True)) for shape, lens, ctx in ssd_shapes
     ]
     for b in (1, 64, 256):
         cases.append(("selective_state_update [graph]", f"batch {b}", functools.partial(bench_ssu, k, base, dev, b)))
@@ -237,8 +258,7 @@ def run(json_path: str | None = None) -> list[Row]:
         tflops = flops / ms / 1e9
         rows.append(Row(name, shape, ms, gbps, 100 * gbps / copy_gbps, tflops, 100 * tflops / mma_tflops,
                         base_ms, base_ms / ms if base_ms else None,
-                        "" if base is not None or name not in ("ssd", "selective_state_update [graph]")
-                        else "baseline not available"))
+                        _baseline_note(name, base is not None, base_ms)))
     print(f"ceilings: copy {copy_gbps:.0f} GB/s, bf16 matmul {mma_tflops:.0f} TFLOP/s")
     print(f"{'kernel':<32}{'shape':<26}{'ms':>9}{'GB/s':>9}{'%copy':>7}{'TFLOP/s':>9}{'%mma':>6}"
           f"{'mamba_ssm ms':>14}{'speedup':>9}")

@@ -1,0 +1,37 @@
+"""`pd-ssm bench kernels`: the baseline notes on the CPU; the SSD rows, eager and graphed, on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pd_ssm.bench.kernels import _baseline, _baseline_note, bench_ssd
+from tests.conftest import needs_cuda
+
+
+def test_baseline_notes() -> None:
+    assert _baseline_note("ssd [graph]", importable=False, base_ms=None) == "baseline not available"
+    assert _baseline_note("ssd [graph]", importable=True, base_ms=None) == "baseline not capturable"
+    assert _baseline_note("ssd", importable=True, base_ms=0.3) == ""
+    assert _baseline_note("rms_norm_gated", importable=False, base_ms=None) == ""  # mamba_ssm has no twin
+
+
+def test_bench_kernels_needs_a_gpu_here() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: the command would run, not refuse")
+    from pd_ssm.bench.kernels import run
+
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        run()
+
+
+@needs_cuda
+@pytest.mark.parametrize("graph", [False, True])
+def test_ssd_rows_time_ours_and_the_baseline(graph: bool) -> None:
+    from pd_ssm.kernels.dispatch import get_kernels
+
+    dev = torch.device("cuda")
+    base = _baseline()
+    ms, base_ms, nbytes, flops = bench_ssd(get_kernels("triton", dev), base, dev, [2048], [0], graph=graph)
+    assert 0 < ms < 50 and nbytes > 0 and flops > 0
+    assert (base_ms is None) == (base is None) or (graph and base_ms is None)  # captured, or reported as not
