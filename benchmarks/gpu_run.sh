@@ -29,6 +29,6 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 [ -n "${SKIP_BENCH:-}" ] && exit 0
 export PYTHONPATH=$BENCH_PATH
-[ -z "${SKIP_KERNELS:-}" ] && timeout 150 python3 -m pd_ssm.cli bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt"
+[ -z "${SKIP_KERNELS:-}" ] && timeout 240 python3 -m pd_ssm.cli bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt"
 [ -z "${SKIP_ENGINE:-}" ] && timeout 150 python3 -m pd_ssm.cli bench engine --json "$OUT/engine.json" 2>&1 | tee "$OUT/engine.txt"
 exit 0  # the figures and the test summary above are the result

@@ -150,6 +150,8 @@ def bench_ssd(k: Any, base: Any, dev: torch.device, lens: list[int], ctx: list[i
         try:
             base_ms = timer(theirs, n)
         except RuntimeError:  # a host sync inside its call breaks the capture
+            if not graph:
+                raise
             torch.cuda.synchronize()
     nbytes = T * (2 * D_INNER * 2 + 2 * NG * DS * 2 + NH * 2) + 2 * S * NH * HD * DS * 4
     # per head and chunk of L tokens: C B^T (2 L^2 ds), its product with x (2 L^2 hd), the chunk
