@@ -62,9 +62,18 @@ def _cast(v, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
 def _dt_block(dt_ptrs, live, dt_bias_ptr, h, dt_min, dt_max, HAS_DT_BIAS: tl.constexpr,
               DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr):
     """dt' = clamp(softplus(dt + dt_bias)) in fp32 on the live tokens, 0 elsewhere."""
-    dt = tl.load(dt_ptrs, mask=live, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptrs, mask=live, other=0.0)
+    bias = tl.load(dt_bias_ptr + h).to(tl.float32) if HAS_DT_BIAS else 0.0
+    return _dt_of(dt, live, bias, dt_min, dt_max, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT)
+
+
+@triton.jit
+def _dt_of(dt, live, bias, dt_min, dt_max, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+           HAS_DT_LIMIT: tl.constexpr):
+    """`_dt_block` on raw dt values already loaded, with the head's bias (a scalar) already read."""
+    dt = dt.to(tl.float32)
     if HAS_DT_BIAS:
-        dt += tl.load(dt_bias_ptr + h).to(tl.float32)
+        dt += bias
     if DT_SOFTPLUS:
         dt = _softplus(dt)
     if HAS_DT_LIMIT:

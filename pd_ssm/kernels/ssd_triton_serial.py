@@ -29,7 +29,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pd_ssm.kernels.ssd_triton_kernels import _boundary_row, _cast, _dot, _dt_block
+from pd_ssm.kernels.ssd_triton_kernels import _boundary_row, _cast, _dot, _dt_of
+
+
+@triton.jit
+def _step_place(it, f, c0, c1, r, CHUNK: tl.constexpr, STEP: tl.constexpr):
+    """(chunk j of the sequence, step i of that chunk, the chunk's first token t0 and length L) of
+    walk step `it`, from the step count alone: so the loop's loads depend on nothing loaded in the
+    loop. f = the first chunk's steps; every later chunk but the last is whole."""
+    SUBS: tl.constexpr = CHUNK // STEP
+    later = it >= f
+    j = tl.where(later, 1 + (it - f) // SUBS, 0)
+    i = tl.where(later, (it - f) % SUBS, it)
+    t0 = c0 + tl.maximum(j * CHUNK - r, 0)
+    L = tl.minimum(c0 + (j + 1) * CHUNK - r, c1) - t0
+    return j, i, t0, L
 
 
 @triton.jit(do_not_specialize=["K_max"])
@@ -80,20 +94,24 @@ def _ssd_state_serial_kernel(
     step = tl.arange(0, BLOCK_K)
     tok = tl.arange(0, CHUNK_PAD)
     carry = tl.zeros([], dtype=tl.float32)  # the chunk's running sum before this step
+    bias = tl.load(dt_bias_ptr + h).to(tl.float32) if HAS_DT_BIAS else 0.0
+    dt_col = dt_ptr + h * stride_dt_h
+    # NOTE: each step's raw dt is loaded one step ahead, by hand: Triton's pipeliner leaves this
+    # load (it feeds a scan and a reduction, not a dot) synchronous, and a global load's latency
+    # a step would sit on the walk's one dependent chain (sm_90 TTGIR, session 14)
+    j, i, t0, L = _step_place(0, f, c0, c1, r, CHUNK, STEP)
+    dt_raw = tl.load(dt_col + (t0 + i * STEP + step).to(tl.int64) * stride_dt_t, mask=i * STEP + step < L, other=0.0)
     for it in range(0, steps):
-        # (chunk j of the sequence, step i of the chunk) from the step count alone, so that the
-        # loop's loads depend on nothing loaded in the loop and can be fetched ahead
-        later = it >= f
-        j = tl.where(later, 1 + (it - f) // SUBS, 0)
-        i = tl.where(later, (it - f) % SUBS, it)
-        t0 = c0 + tl.maximum(j * CHUNK - r, 0)
-        L = tl.minimum(c0 + (j + 1) * CHUNK - r, c1) - t0
+        j, i, t0, L = _step_place(it, f, c0, c1, r, CHUNK, STEP)
         k = (first + j).to(tl.int64)
         pos = i * STEP + step
         live = pos < L
         row = t0 + i * STEP
-        dt_s = _dt_block(dt_ptr + (row.to(tl.int64) + step) * stride_dt_t + h * stride_dt_h, live, dt_bias_ptr, h,
-                         dt_min, dt_max, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT)
+        dt_cur = dt_raw
+        _, i_n, t0n, Ln = _step_place(it + 1, f, c0, c1, r, CHUNK, STEP)
+        dt_raw = tl.load(dt_col + (t0n + i_n * STEP + step).to(tl.int64) * stride_dt_t,
+                         mask=(i_n * STEP + step < Ln) & (it + 1 < steps), other=0.0)
+        dt_s = _dt_of(dt_cur, live, bias, dt_min, dt_max, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT)
         cs_s = tl.cumsum(dt_s * A_h, 0)  # from the step's start
         d = tl.sum(tl.where(step == BLOCK_K - 1, cs_s, 0.0), 0)  # the step's sum (flat past L)
         carry = tl.where(i == 0, 0.0, carry)
