@@ -46,6 +46,15 @@ def _step_place(it, f, c0, c1, r, CHUNK: tl.constexpr, STEP: tl.constexpr):
     return j, i, t0, L
 
 
+@triton.jit
+def _step_dt(dt_col, stride_dt_t, it, steps, f, c0, c1, r, CHUNK: tl.constexpr, STEP: tl.constexpr,
+             BLOCK_K: tl.constexpr):
+    """Walk step `it`'s raw dt [BLOCK_K] (this head's column), 0 past its chunk and past the walk."""
+    _, i, t0, L = _step_place(it, f, c0, c1, r, CHUNK, STEP)
+    pos = i * STEP + tl.arange(0, BLOCK_K)
+    return tl.load(dt_col + (t0 + pos).to(tl.int64) * stride_dt_t, mask=(pos < L) & (it < steps), other=0.0)
+
+
 @triton.jit(do_not_specialize=["K_max"])
 def _ssd_state_serial_kernel(
     # pointers
@@ -99,8 +108,7 @@ def _ssd_state_serial_kernel(
     # NOTE: each step's raw dt is loaded one step ahead, by hand: Triton's pipeliner leaves this
     # load (it feeds a scan and a reduction, not a dot) synchronous, and a global load's latency
     # a step would sit on the walk's one dependent chain (sm_90 TTGIR, session 14)
-    j, i, t0, L = _step_place(0, f, c0, c1, r, CHUNK, STEP)
-    dt_raw = tl.load(dt_col + (t0 + i * STEP + step).to(tl.int64) * stride_dt_t, mask=i * STEP + step < L, other=0.0)
+    dt_raw = _step_dt(dt_col, stride_dt_t, 0, steps, f, c0, c1, r, CHUNK, STEP, BLOCK_K)
     for it in range(0, steps):
         j, i, t0, L = _step_place(it, f, c0, c1, r, CHUNK, STEP)
         k = (first + j).to(tl.int64)
@@ -108,9 +116,7 @@ def _ssd_state_serial_kernel(
         live = pos < L
         row = t0 + i * STEP
         dt_cur = dt_raw
-        _, i_n, t0n, Ln = _step_place(it + 1, f, c0, c1, r, CHUNK, STEP)
-        dt_raw = tl.load(dt_col + (t0n + i_n * STEP + step).to(tl.int64) * stride_dt_t,
-                         mask=(i_n * STEP + step < Ln) & (it + 1 < steps), other=0.0)
+        dt_raw = _step_dt(dt_col, stride_dt_t, it + 1, steps, f, c0, c1, r, CHUNK, STEP, BLOCK_K)
         dt_s = _dt_of(dt_cur, live, bias, dt_min, dt_max, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT)
         cs_s = tl.cumsum(dt_s * A_h, 0)  # from the step's start
         d = tl.sum(tl.where(step == BLOCK_K - 1, cs_s, 0.0), 0)  # the step's sum (flat past L)
