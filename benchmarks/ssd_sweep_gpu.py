@@ -33,6 +33,7 @@ ARGS.add_argument("--tiny", action="store_true", help="tiny shapes (CPU, TRITON_
 ARGS.add_argument("--only", default="", help="comma-separated variant names (default: all)")
 ARGS.add_argument("--more-cases", action="store_true",
                   help="also batches of 4 to 64 sequences (where the serial state kernel's parallelism changes)")
+ARGS.add_argument("--cases", default="", help="comma-separated case names (default: all)")
 OPTS = ARGS.parse_args()
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -76,6 +77,8 @@ if OPTS.more_cases and not OPTS.tiny:
               "64x128 unaligned": ([128] * 64, "unaligned"),
               # one long and one short sequence: the serial kernel's worst case at two sequences
               "7680+512 unaligned": ([7680, 512], "unaligned")}
+if OPTS.cases:
+    CASES = {k: v for k, v in CASES.items() if k in OPTS.cases.split(",")}
 # session 12's serial state kernel at every batch size, in dstate blocks of 128 (as then timed)
 _SERIAL: dict[str, Any] = dict(state_serial=True, serial_max_tokens=1 << 30, serial_block_n=128)
 # overrides of the bf16 default config; "default" is what the engine runs today
@@ -165,6 +168,27 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "session 13 default": dict(scan_cb="fused", scan_stages=3, scan_maxnreg=None, serial_chunk=256),
     # five programs an SM: 44 KB of shared memory and <= 102 registers
     "cb_fp32 bk16 s2 r96": dict(scan_cb="fp32", scan_block_k=16, scan_stages=2, scan_maxnreg=96),
+    # session 15: the chunk-state kernel (257 us of 1.16 ms at 1x32768, 2.6 TB/s: its x read and
+    # fp32 state write at copy rate would take 157 us) and the passing kernel (132 us, ~3.8 TB/s)
+    "state bn64": dict(state_block_n=64),
+    "state bn64 w2": dict(state_block_n=64, state_warps=2),
+    "state s2": dict(state_stages=2),
+    "state s3": dict(state_stages=3),
+    "state bk64 s2": dict(state_block_k=64, state_stages=2),
+    "state bk64 s3": dict(state_block_k=64, state_stages=3),
+    "state bk16": dict(state_block_k=16),
+    "state w8": dict(state_warps=8),
+    "state recompute": dict(state_reread=False),
+    "pass 1024": dict(pass_block=1024),
+    "pass 256": dict(pass_block=256),
+    "pass 2048 w8": dict(pass_block=2048, pass_warps=8),
+    # the serial kernel in dstate blocks of 32: twice the programs, each with half the accumulator
+    # (more of them an SM, if the walk's steps are latency-bound), x re-read from L2 by four
+    "serial bn32": dict(serial_block_n=32),
+    "serial bn32 s4": dict(serial_block_n=32, serial_stages=4),
+    "serial bn32 w2": dict(serial_block_n=32, serial_warps=2),
+    "serial bn64 s2": dict(serial_stages=2),
+    "serial bn64 w2": dict(serial_warps=2),
 }
 VARIANTS_ALL = dict(VARIANTS)
 if OPTS.only:

@@ -200,7 +200,7 @@ def ssd_scan_with_config(
 
     _ssd_chunk_meta_kernel[(1,)](
         cu_seqlens, context_lens, chunk_info, seq_first, seq_end, bcu,
-        S, K, Q, S.bit_length(), chunk_size // Q, BLOCK=256, num_warps=4,
+        S, K, Q, S.bit_length(), chunk_size // Q, AT_POSITIONS=return_boundary_states, BLOCK=256, num_warps=4,
     )
 
     def boundary_out() -> Tensor:

@@ -1,7 +1,9 @@
 """Triton kernels of the varlen SSD chunked scan; the launcher is `ssd_triton.py`.
 
 A "logical chunk" is a run of at most CHUNK tokens of one sequence between two absolute multiples
-of CHUNK (a sequence's first and last chunks may be short). Four launches:
+of CHUNK (a sequence's first and last chunks may be short) where boundary states are asked for;
+without them, between two multiples of CHUNK counted from the sequence's first token (only the last
+chunk may be short). Four launches:
 
   1. _ssd_chunk_meta_kernel      one program: logical chunks from cu_seqlens / context_lens
   2. _ssd_chunk_state_kernel     (head, chunk, dstate block): dt' and its cumsum, the chunk's own
@@ -103,8 +105,13 @@ def _ssd_chunk_meta_kernel(
     S, K_max, chunk_size, search_iters,
     bound_chunks,  # chunks between two boundary states (the model's chunk / the kernel's chunk)
     # meta-parameters
+    AT_POSITIONS: tl.constexpr,  # chunks at absolute multiples of chunk_size (else from each first token)
     BLOCK: tl.constexpr,
 ):
+    # NOTE: the scan is the same function of its inputs however a sequence is cut into chunks; only
+    # boundary states tie the cuts to absolute positions. Without them (AT_POSITIONS off) a sequence
+    # is cut from its first token, as if its context were 0: a mid-chunk start then costs no extra
+    # partial chunk (and the boundary counts in bcu are those of context 0, never read)
     carry_c = tl.zeros([], dtype=tl.int32)
     carry_b = tl.zeros([], dtype=tl.int32)
     tl.store(bcu_ptr, carry_b)
@@ -113,7 +120,7 @@ def _ssd_chunk_meta_kernel(
         ms = s < S
         c0 = tl.load(cu_ptr + s, mask=ms, other=0)
         length = tl.load(cu_ptr + s + 1, mask=ms, other=0) - c0
-        ctx = tl.load(ctx_ptr + s, mask=ms, other=0)
+        ctx = tl.load(ctx_ptr + s, mask=ms & AT_POSITIONS, other=0)
         nch = tl.where(ms, (ctx % chunk_size + length + chunk_size - 1) // chunk_size, 0)
         bound = chunk_size * bound_chunks
         nb = tl.where(ms, (ctx + length) // bound - ctx // bound, 0)  # boundaries crossed
@@ -140,7 +147,7 @@ def _ssd_chunk_meta_kernel(
         first = tl.load(seq_first_ptr + s, mask=ok, other=0)
         c0 = tl.load(cu_ptr + s, mask=ok, other=0)
         c1 = tl.load(cu_ptr + s + 1, mask=ok, other=0)
-        ctx = tl.load(ctx_ptr + s, mask=ok, other=0)
+        ctx = tl.load(ctx_ptr + s, mask=ok & AT_POSITIONS, other=0)
         r = ctx % chunk_size
         b0 = tl.load(bcu_ptr + s, mask=ok, other=0)
         j = k - first  # chunk index inside the sequence

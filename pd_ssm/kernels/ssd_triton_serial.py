@@ -11,8 +11,8 @@ not depend on the running state, so the loop's software pipeline fetches the nex
 while one is reduced.
 
 The loop runs over steps of STEP tokens (a whole chunk, or CHUNK / STEP steps of one), counted so
-that no step lies wholly past a chunk's end: a sequence starting mid-chunk has a short first
-chunk, its last chunk may be short. A step of tokens [a, a + STEP) of a chunk:
+that no step lies wholly past a chunk's end: where boundary states tie chunks to absolute
+positions, a sequence starting mid-chunk has a short first chunk; its last chunk may be short. A step of tokens [a, a + STEP) of a chunk:
   dt'   = clamp(softplus(dt + dt_bias))             0 past the chunk's L; stored to dt_buf
   cs    = the chunk's running sum of dt' * A         flat past L; stored to cs_buf
   state = e^{d} state + x^T diag(dt' e^{cs_b - cs}) B   d = the step's own sum of dt' * A, cs_b its
@@ -81,7 +81,9 @@ def _ssd_state_serial_kernel(
     first = tl.load(seq_first_ptr + s)
     c0 = tl.load(cu_ptr + s)
     c1 = tl.load(cu_ptr + s + 1)
-    ctx = tl.load(ctx_ptr + s)
+    # NOTE: chunks from the sequence's first token unless boundary states need them at absolute
+    # multiples of the chunk (the meta kernel says why)
+    ctx = tl.load(ctx_ptr + s, mask=RETURN_BOUNDARY, other=0)
     r = ctx % CHUNK  # a mid-chunk start makes the first chunk CHUNK - r long
     b0 = tl.load(bcu_ptr + s)
     A_h = tl.load(A_ptr + h)

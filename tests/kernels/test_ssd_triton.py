@@ -184,6 +184,13 @@ def test_mid_chunk_starts_with_initial_states() -> None:
     run_case([3, 13, 20, 1, 30], [5, 3, 7, 15, 18], [True, True, False, True, True], G=2, seed=10)
 
 
+def test_mid_chunk_starts_without_boundary_states() -> None:
+    # no boundary states: the kernels cut each sequence from its first token, not at the absolute
+    # multiples of the chunk; the same function of the inputs (and the same final states)
+    run_case([3, 13, 20, 1, 30, 41], [5, 3, 7, 15, 18, 9], [True, True, False, True, True, True], G=2, seed=26,
+             boundaries=False)
+
+
 def test_single_long_sequence_from_an_aligned_history() -> None:
     run_case([96], [32], [True], seed=11)
 
