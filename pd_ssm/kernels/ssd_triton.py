@@ -30,6 +30,7 @@ from pd_ssm.kernels.ssd import NO_DT_LIMIT, ScanOutput, _check_scan_args
 from pd_ssm.kernels.ssd_config import SSDConfig, default_config
 from pd_ssm.kernels.ssd_triton_bmm import _ssd_chunk_cb_kernel
 from pd_ssm.kernels.ssd_triton_kernels import (
+    _ssd_chunk_dt_kernel,
     _ssd_chunk_meta_kernel,
     _ssd_chunk_state_kernel,
     _ssd_state_passing_kernel,
@@ -214,8 +215,9 @@ def ssd_scan_with_config(
     dot = dict(DOT_DTYPE=_DOT_DTYPES[dot_dtype], DOT_PRECISION="ieee" if dot_dtype == torch.float32 else "tf32",
                INTERPRETED=_INTERPRETED)
     # the chunk-state kernels' (either path's) dimensions and strides, and their dt' switches
-    sizes = (K, H, P, N, H // G, lo if has_limit else 0.0, hi if has_limit else 0.0,
-             x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1))
+    dt_lo, dt_hi = (lo, hi) if has_limit else (0.0, 0.0)
+    sizes = (K, H, P, N, H // G, dt_lo, dt_hi, x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0),
+             B.stride(1))
     dt_args = dict(CHUNK=Q, CHUNK_PAD=triton.next_power_of_2(Q), HAS_DT_BIAS=dt_bias is not None,
                    DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit)
     BP, BN = _block(P, 256), _block(N, 256)
@@ -248,11 +250,17 @@ def ssd_scan_with_config(
         state_tma = cfg.state_tma and long_enough and N % state_bn == 0
         sx_desc, sB_desc = ((_descriptor(x, state_bk, P), _descriptor(B, state_bk, state_bn)) if state_tma
                             else (x, B))
+        if cfg.state_dt_launch:
+            _ssd_chunk_dt_kernel[(H, K)](
+                dt, A, dt_bias, chunk_info, dt_buf, cs_buf, K, dt_lo, dt_hi, dt.stride(0), dt.stride(1),
+                **dt_args, num_warps=4,
+            )
         _ssd_chunk_state_kernel[(H, K, triton.cdiv(N, state_bn))](
             x, dt, A, dt_bias, B, chunk_info, dt_buf, cs_buf, states, sx_desc, sB_desc,
             *sizes,
-            **dt_args, REREAD=cfg.state_reread, TMA=state_tma, BLOCK_K=state_bk, BLOCK_P=BP, BLOCK_N=state_bn,
-            num_warps=cfg.state_warps, num_stages=cfg.state_stages, **dot,
+            **dt_args, REREAD=cfg.state_reread or cfg.state_dt_launch, TMA=state_tma, DT_DONE=cfg.state_dt_launch,
+            BLOCK_K=state_bk, BLOCK_P=BP, BLOCK_N=state_bn, num_warps=cfg.state_warps, num_stages=cfg.state_stages,
+            **dot,
         )
         bstates = boundary_out()  # NOTE: after the chunk-state launch, which runs while the host waits
         pass_block = min(cfg.pass_block, triton.next_power_of_2(PN))

@@ -7,7 +7,8 @@ chunk may be short). Four launches:
 
   1. _ssd_chunk_meta_kernel      one program: logical chunks from cu_seqlens / context_lens
   2. _ssd_chunk_state_kernel     (head, chunk, dstate block): dt' and its cumsum, the chunk's own
-                                 end state
+                                 end state (dt' and its cumsum by _ssd_chunk_dt_kernel, (head, chunk),
+                                 launched first, where SSDConfig.state_dt_launch says so)
   3. _ssd_state_passing_kernel   (block of P*N, seq, head): start states along each sequence
   4. _ssd_chunk_scan_kernel      (head group, row block, chunk): C·state + causal (C B^T ∘ decay) x
                                  + D x, in ssd_triton_scan.py
@@ -161,6 +162,44 @@ def _ssd_chunk_meta_kernel(
         tl.store(chunk_ptr + 4 * k + 3, tl.where(ok & (brow >= 0), b0 + brow, -1), mask=mk)
 
 
+@triton.jit
+def _chunk_dt_pass(dt_ptr, dt_bias_ptr, dt_buf_ptr, cs_buf_ptr, t0, L, h, A_h, buf, dt_min, dt_max, stride_dt_t,
+                   stride_dt_h, CHUNK: tl.constexpr, CHUNK_PAD: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                   DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr):
+    """The whole chunk at once: dt' (0 past L) and its running sum of dt' * A (flat past L, so
+    cs[CHUNK-1] is the chunk's total), stored to dt_buf and cs_buf; returns the total."""
+    tok = tl.arange(0, CHUNK_PAD)
+    live = tok < L
+    dt_base = dt_ptr + t0 * stride_dt_t + h * stride_dt_h
+    dt_c = _dt_block(dt_base + tok * stride_dt_t, live, dt_bias_ptr, h, dt_min, dt_max, HAS_DT_BIAS,
+                     DT_SOFTPLUS, HAS_DT_LIMIT)
+    cs_c = tl.cumsum(dt_c * A_h, 0)
+    tl.store(dt_buf_ptr + buf + tok, dt_c, mask=tok < CHUNK)
+    tl.store(cs_buf_ptr + buf + tok, cs_c, mask=tok < CHUNK)
+    return tl.sum(tl.where(tok == CHUNK_PAD - 1, cs_c, 0.0), 0)  # exactly cs[CHUNK-1]
+
+
+@triton.jit(do_not_specialize=["K_max"])
+def _ssd_chunk_dt_kernel(
+    dt_ptr, A_ptr, dt_bias_ptr, chunk_ptr,  # inputs
+    dt_buf_ptr, cs_buf_ptr,  # outputs
+    K_max, dt_min, dt_max, stride_dt_t, stride_dt_h,
+    CHUNK: tl.constexpr, CHUNK_PAD: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+    HAS_DT_LIMIT: tl.constexpr,
+):
+    # one (head, chunk): the chunk-state kernel's first pass as a launch of its own, so that kernel's
+    # programs start on their x and B tiles at once instead of behind a dependent load-scan-store
+    h = tl.program_id(0)
+    k = tl.program_id(1).to(tl.int64)
+    t0 = tl.load(chunk_ptr + 4 * k + 1).to(tl.int64)
+    L = tl.load(chunk_ptr + 4 * k + 2)
+    if L == 0:  # past the last logical chunk
+        return
+    _chunk_dt_pass(dt_ptr, dt_bias_ptr, dt_buf_ptr, cs_buf_ptr, t0, L, h, tl.load(A_ptr + h), (h * K_max + k) * CHUNK,
+                   dt_min, dt_max, stride_dt_t, stride_dt_h, CHUNK, CHUNK_PAD, HAS_DT_BIAS, DT_SOFTPLUS,
+                   HAS_DT_LIMIT)
+
+
 @triton.jit(do_not_specialize=["K_max"])
 def _ssd_chunk_state_kernel(
     # pointers
@@ -175,6 +214,7 @@ def _ssd_chunk_state_kernel(
     CHUNK: tl.constexpr, CHUNK_PAD: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     HAS_DT_LIMIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr, REREAD: tl.constexpr, TMA: tl.constexpr,
+    DT_DONE: tl.constexpr,  # dt_buf and cs_buf already hold this chunk's dt' and cs (REREAD with it)
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     h = tl.program_id(0)
@@ -186,20 +226,16 @@ def _ssd_chunk_state_kernel(
     A_h = tl.load(A_ptr + h)
     buf = (h * K_max + k) * CHUNK
 
-    # pass 1, the whole chunk at once: dt' (0 past L) and its running sum of dt' * A (flat past L,
-    # so cs[CHUNK-1] is the chunk's total). Every program along axis 2 stores the same values.
-    tok = tl.arange(0, CHUNK_PAD)
-    live = tok < L
-    dt_base = dt_ptr + t0 * stride_dt_t + h * stride_dt_h
-    dt_c = _dt_block(dt_base + tok * stride_dt_t, live, dt_bias_ptr, h, dt_min, dt_max, HAS_DT_BIAS,
-                     DT_SOFTPLUS, HAS_DT_LIMIT)
-    cs_c = tl.cumsum(dt_c * A_h, 0)
-    total = tl.sum(tl.where(tok == CHUNK_PAD - 1, cs_c, 0.0), 0)  # exactly cs[CHUNK-1]
-    tl.store(dt_buf_ptr + buf + tok, dt_c, mask=tok < CHUNK)
-    tl.store(cs_buf_ptr + buf + tok, cs_c, mask=tok < CHUNK)
-    if REREAD:
-        # NOTE: pass 2 reads back blocks of what other threads of this program just stored
-        tl.debug_barrier()
+    if DT_DONE:
+        total = tl.load(cs_buf_ptr + buf + CHUNK - 1)  # cs is flat past L
+    else:
+        # pass 1 (every program along axis 2 stores the same values)
+        total = _chunk_dt_pass(dt_ptr, dt_bias_ptr, dt_buf_ptr, cs_buf_ptr, t0, L, h, A_h, buf, dt_min, dt_max,
+                               stride_dt_t, stride_dt_h, CHUNK, CHUNK_PAD, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT)
+        if REREAD:
+            # NOTE: pass 2 reads back blocks of what other threads of this program just stored
+            tl.debug_barrier()
+    dt_base = dt_ptr + t0 * stride_dt_t + h * stride_dt_h  # pass 2's recomputation (not REREAD)
 
     # pass 2: state[p, n] = sum_s x[s, p] dt'[s] exp(cs_total - cs[s]) B[s, n]
     offs_p = tl.arange(0, BLOCK_P)

@@ -249,6 +249,14 @@ def test_block_configs(G: int, chunk: int, config: SSDConfig) -> None:
              config=config)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dt_by_a_launch_of_its_own(dtype: torch.dtype) -> None:
+    # the chunk-state kernel's dt' pass as its own launch (two-kernel path): mid-chunk starts, a
+    # chunk that is not a power of two (its total read at CHUNK - 1 of a padded pass), a dt clamp
+    run_case([7, 25, 3], [5, 11, 0], [True, True, False], G=2, seed=27, chunk=12 * X, limit=(0.2, 0.6),
+             dtype=dtype, config=SSDConfig(state_serial=False, state_dt_launch=True))
+
+
 # NOTE: in chunks of 256 (on a GPU) the running sums cs of dt' A reach ~ -900 with these inputs'
 # decays (down to e^-3.6 a token); each fp32 partial sum there is rounded by ~3e-5, differently by the
 # kernel's tree cumsum and torch's, and e^{cs_l - cs_s} carries that: 1-2 of 580 K outputs differ by
