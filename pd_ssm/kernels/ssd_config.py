@@ -20,12 +20,12 @@ class SSDConfig:
     state_block_n: int = 256  # dstate columns per program (fewer: more programs, same dt' work)
     state_reread: bool = True  # re-read dt' and its cumsum from scratch (else recompute them)
     state_warps: int = 4
+    state_stages: int = 4
     # dt' and its cumsum by a launch of their own before the chunk-state kernel (two-kernel path),
     # whose programs then start on their x and B tiles at once: that kernel moves 670 MB in 257 us
     # at 1 x 32768 (2.6 TB/s) behind a dependent dt load-scan-store in every program (session 15).
     # One launch more (host time); not yet timed on the GPU, so off
     state_dt_launch: bool = False
-    state_stages: int = 4
     scan_block_m: int = 64  # output rows per program
     scan_block_k: int = 32  # tokens per step of the causal loop
     scan_heads: int = 1  # heads per program sharing C B^T (1, 2, 4; 1 where it does not divide H / G)

@@ -12,7 +12,8 @@ while one is reduced.
 
 The loop runs over steps of STEP tokens (a whole chunk, or CHUNK / STEP steps of one), counted so
 that no step lies wholly past a chunk's end: where boundary states tie chunks to absolute
-positions, a sequence starting mid-chunk has a short first chunk; its last chunk may be short. A step of tokens [a, a + STEP) of a chunk:
+positions, a sequence starting mid-chunk has a short first chunk; its last chunk may be short.
+A step of tokens [a, a + STEP) of a chunk:
   dt'   = clamp(softplus(dt + dt_bias))             0 past the chunk's L; stored to dt_buf
   cs    = the chunk's running sum of dt' * A         flat past L; stored to cs_buf
   state = e^{d} state + x^T diag(dt' e^{cs_b - cs}) B   d = the step's own sum of dt' * A, cs_b its
