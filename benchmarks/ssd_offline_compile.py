@@ -37,7 +37,7 @@ SMEM_RESERVED = 1024  # per program, by the driver
 REGS_PER_SM = 65_536
 _PTRS = dict(x_ptr="*bf16", B_ptr="*bf16", C_ptr="*bf16", D_ptr="*fp32", dt_buf_ptr="*fp32", cs_buf_ptr="*fp32",
              starts_ptr="*bf16", chunk_ptr="*i32", cb_ptr="*bf16", out_ptr="*bf16")
-# name: (overrides of the bf16 default: BM, BK, warps, stages, C B^T loaded, register cap)
+# name: (overrides of the bf16 default: BM, BK, warps, stages, C B^T loaded, register cap, look-ahead)
 CONFIGS: dict[str, dict[str, Any]] = {
     "default (BM64 BK32 w4 s3)": {},
     "s2": dict(stages=2),
@@ -47,6 +47,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "cb_low s3": dict(cb=True),
     "cb_low s2": dict(cb=True, stages=2),
     "cb_low s2 r128": dict(cb=True, stages=2, maxnreg=128),
+    "cb_low s2 r128 prefetch": dict(cb=True, stages=2, maxnreg=128, prefetch=True),
     "cb_low BK16 s3": dict(cb=True, BK=16),
 }
 
@@ -67,10 +68,10 @@ SERIAL_CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def compile_scan(BM: int = 64, BK: int = 32, warps: int = 4, stages: int = 3, cb: bool = False,
-                 maxnreg: int | None = None) -> tuple[int, int]:
+                 maxnreg: int | None = None, prefetch: bool = False) -> tuple[int, int]:
     """(registers per thread, shared bytes per program) of one scan config, compiled for sm_90."""
     const = dict(CHUNK=256, HAS_D=True, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", INTERPRETED=False, HEADS=1,
-                 HEAD_LOOP=1, CB_LOADED=cb, CB_WHOLE_TILES=cb, TMA=True, BLOCK_M=BM, BLOCK_K=BK, BLOCK_P=64,
+                 HEAD_LOOP=1, CB_LOADED=cb, CB_WHOLE_TILES=cb, TMA=True, PREFETCH=prefetch, BLOCK_M=BM, BLOCK_K=BK, BLOCK_P=64,
                  BLOCK_N=128)
     descs = dict(x_desc=f"tensordesc<bf16[{BK},64]>", B_desc=f"tensordesc<bf16[{BK},128]>",
                  C_desc=f"tensordesc<bf16[{BM},128]>")

@@ -184,6 +184,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # dt' and its cumsum by their own launch: the state kernel's programs start on their tiles at once
     "state dt launch": dict(state_dt_launch=True),
     "state dt launch s3": dict(state_dt_launch=True, state_stages=3),
+    # session 16: the large-batch default before its scan fetched C B^T, cs and dt' a step ahead and
+    # dt' got its own launch; and the large-batch scan below LARGE_BATCH_TOKENS
+    "session 15 large default": dict(scan_prefetch=False, state_dt_launch=False),
+    "large config": dict(scan_cb="fp32", scan_stages=2, scan_maxnreg=128, scan_prefetch=True, state_dt_launch=True),
     "pass 1024": dict(pass_block=1024),
     "pass 256": dict(pass_block=256),
     "pass 2048 w8": dict(pass_block=2048, pass_warps=8),

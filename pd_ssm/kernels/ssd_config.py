@@ -22,9 +22,9 @@ class SSDConfig:
     state_warps: int = 4
     state_stages: int = 4
     # dt' and its cumsum by a launch of their own before the chunk-state kernel (two-kernel path),
-    # whose programs then start on their x and B tiles at once: that kernel moves 670 MB in 257 us
-    # at 1 x 32768 (2.6 TB/s) behind a dependent dt load-scan-store in every program (session 15).
-    # One launch more (host time); not yet timed on the GPU, so off
+    # whose programs then start on their x and B tiles at once instead of behind a dependent dt
+    # load-scan-store: at 1 x 32768 that kernel 258 -> 208 us, plus 20 us for the dt launch (H200,
+    # session 16). One launch more of host time: large batches only (LARGE_BATCH_TOKENS)
     state_dt_launch: bool = False
     scan_block_m: int = 64  # output rows per program
     scan_block_k: int = 32  # tokens per step of the causal loop
@@ -36,6 +36,11 @@ class SSDConfig:
     # C B^T of each (chunk, group): "fused" = made per head inside the scan kernel; "fp32" / "low" =
     # made once by a fifth launch into a [K, G, Q, Q] tensor in fp32 / the dot dtype, then loaded
     scan_cb: str = "fused"
+    # with C B^T loaded in whole tiles and one head a program: the next step's C B^T tile, cs and dt'
+    # loaded into registers one step ahead by the kernel itself (Triton's pipeliner, at two stages,
+    # gives each one shared buffer and waits out its latency at every step's top): the scan kernel
+    # 752 -> 700 us at 1 x 32768, 292 -> 269 us at 16 x 1024 (H200, session 16)
+    scan_prefetch: bool = False
     scan_head_loop: int = 1  # sets of scan_heads heads run one after the other by one scan program
     chunk_states_low: bool = False  # chunk end states (state -> passing kernel) in the dot dtype
     # register cap of the scan kernel (ptxas .maxnreg): 128 at 4 warps keeps 4 programs per SM
@@ -88,10 +93,13 @@ _FP32_CONFIG = SSDConfig(state_block_k=64, state_warps=8, state_stages=2, scan_b
 # own launch in fp32 and loaded by the scan, whose programs at two stages and <= 128 registers take
 # 56 KB of shared memory: four an SM, not three. The same rounding as the fused scan, 5-6% less
 # device time at 1 x 8192, 16 x 1024 and 1 x 32768 (1% at 1 x 2048; H200, 2.7B shapes, RESULTS.md
-# session 14); but one launch more, ~50-80 us of host time, which eager calls of fewer tokens do not
-# hide (on a slow host 1 x 8192 went 0.54 -> 0.60 ms), so smaller batches keep the fused scan
+# session 14); with its tiles fetched a step ahead and dt' by its own launch, 1 x 32768 1.16 -> 1.08 ms
+# and 16 x 1024 0.483 -> 0.462 ms more (session 16). But one launch more each, ~50-80 us of host
+# time, which eager calls of fewer tokens do not hide (on a slow host 1 x 8192 went 0.54 -> 0.60
+# ms), so smaller batches keep the fused scan
 LARGE_BATCH_TOKENS = 16384
-_LARGE_BATCH_CONFIG = SSDConfig(scan_cb="fp32", scan_stages=2, scan_maxnreg=128)
+_LARGE_BATCH_CONFIG = SSDConfig(scan_cb="fp32", scan_stages=2, scan_maxnreg=128, scan_prefetch=True,
+                                state_dt_launch=True)
 
 
 def default_config(dot_dtype: torch.dtype, num_tokens: int = 0) -> SSDConfig:

@@ -297,6 +297,7 @@ def ssd_scan_with_config(
     # NOTE: one program's heads must lie in one group; else fall back to one set per program
     loop = cfg.scan_head_loop if (H // G) % (heads * cfg.scan_head_loop) == 0 else 1
     scan_tma = cfg.scan_tma and long_enough
+    prefetch = cfg.scan_prefetch and whole_tiles and heads == 1
     x_desc, B_desc, C_desc = ((_descriptor(x, block_k, P), _descriptor(B, block_k, N), _descriptor(C, block_m, N))
                               if scan_tma else (x, B, C))  # unused without TMA
     _ssd_chunk_scan_kernel[(H // (heads * loop), triton.cdiv(Q, block_m), K)](
@@ -304,7 +305,8 @@ def ssd_scan_with_config(
         K, H, P, N, H // G, G,
         x.stride(0), x.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
         out.stride(0), out.stride(1),
-        CHUNK=Q, HAS_D=D is not None, HEADS=heads, HEAD_LOOP=loop, CB_LOADED=cb_loaded, CB_WHOLE_TILES=whole_tiles, TMA=scan_tma, BLOCK_M=block_m, BLOCK_K=block_k,
+        CHUNK=Q, HAS_D=D is not None, HEADS=heads, HEAD_LOOP=loop, CB_LOADED=cb_loaded, CB_WHOLE_TILES=whole_tiles, TMA=scan_tma,
+        PREFETCH=prefetch, BLOCK_M=block_m, BLOCK_K=block_k,
         BLOCK_P=BP, BLOCK_N=BN, num_warps=cfg.scan_warps, num_stages=cfg.scan_stages, maxnreg=cfg.scan_maxnreg, **dot,
     )
     if not return_boundary_states:

@@ -28,17 +28,38 @@ def _scan_head_start(C_m, h, k, nheads, headdim, dstate, cs_buf_ptr, buf, starts
 
 
 @triton.jit
-def _scan_head_step(acc, cb, causal, diag, D_h, cs_m, cs_buf_ptr, dt_buf_ptr, buf, x_base, offs_k, mk, offs_p,
-                    mp, stride_x_t, x_desc, x_row, x_col, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    INTERPRETED: tl.constexpr, TMA: tl.constexpr):
+def _scan_sources(cs_buf_ptr, dt_buf_ptr, buf, offs_k, mk):
+    """cs and dt' of one block of source tokens (0 where mk is off: past the chunk's L)."""
+    cs_k = tl.load(cs_buf_ptr + buf + offs_k, mask=mk, other=0.0)
+    dt_k = tl.load(dt_buf_ptr + buf + offs_k, mask=mk, other=0.0)
+    return cs_k, dt_k
+
+
+@triton.jit
+def _scan_cb_tile(cb_base, offs_m, offs_k, mm, mk, causal, CHUNK: tl.constexpr, CB_WHOLE_TILES: tl.constexpr):
+    """A [BLOCK_M, BLOCK_K] tile of the loaded C B^T, fp32."""
+    if CB_WHOLE_TILES:
+        # NOTE: this tile lies in a block the CB kernel wrote whole (see the launcher): only the row
+        # mask, constant along the contiguous axis, so the loads stay vectorized; the entries above
+        # the diagonal are finite and get zero weight in the step
+        cb = tl.load(cb_base + offs_m[:, None] * CHUNK + offs_k[None, :], mask=mm[:, None], other=0.0)
+    else:
+        # NOTE: the CB kernel wrote only s <= l < L (block-wise): mask to exactly that
+        cb = tl.load(cb_base + offs_m[:, None] * CHUNK + offs_k[None, :], mask=causal & mm[:, None] & mk[None, :],
+                     other=0.0)
+    return cb.to(tl.float32)
+
+
+@triton.jit
+def _scan_head_step(acc, cb, cs_k, dt_k, causal, diag, D_h, cs_m, x_base, offs_k, mk, offs_p, mp, stride_x_t, x_desc,
+                    x_row, x_col, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+                    TMA: tl.constexpr):
     """acc += (C B^T ∘ e^{cs_l - cs_s} dt'_s + D I) x over one block of source tokens s, for one head.
 
     D rides on the diagonal of the weights (no separate load of x for D x); with bf16 dots D·x is
     then rounded like the other weights, with fp32 dots it is exact. TMA: the x tile comes through
     its descriptor at (x_row, x_col), unmasked (the kernel says why that is exact).
     """
-    cs_k = tl.load(cs_buf_ptr + buf + offs_k, mask=mk, other=0.0)
-    dt_k = tl.load(dt_buf_ptr + buf + offs_k, mask=mk, other=0.0)
     decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
     w = _cast(cb * decay * dt_k[None, :] + tl.where(diag, D_h, 0.0), DOT_DTYPE, INTERPRETED)
     if TMA:
@@ -48,6 +69,17 @@ def _scan_head_step(acc, cb, causal, diag, D_h, cs_m, cs_buf_ptr, dt_buf_ptr, bu
                      other=0.0)
     xk = _cast(xk, DOT_DTYPE, INTERPRETED)  # [BLOCK_K, BLOCK_P]
     return _dot(w, xk, acc, DOT_PRECISION, INTERPRETED)
+
+
+@triton.jit
+def _dot_done(acc, INTERPRETED: tl.constexpr):
+    """acc, once the dots that made it have finished: an opaque identity (one mov a value) makes
+    Triton wait for the wgmma group here instead of leaving the step's last one in flight across
+    the loop edge, where it still reads its A operand (the weights) from registers that the next
+    step's first instructions may already reuse."""
+    if not INTERPRETED:
+        acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
+    return acc
 
 
 @triton.jit
@@ -71,7 +103,7 @@ def _ssd_chunk_scan_kernel(
     # meta-parameters
     CHUNK: tl.constexpr, HAS_D: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr, HEADS: tl.constexpr, HEAD_LOOP: tl.constexpr, CB_LOADED: tl.constexpr,
-    CB_WHOLE_TILES: tl.constexpr, TMA: tl.constexpr,
+    CB_WHOLE_TILES: tl.constexpr, TMA: tl.constexpr, PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # HEADS (1, 2 or 4) consecutive heads of one group share this program's C and B tiles and each
@@ -137,43 +169,65 @@ def _ssd_chunk_scan_kernel(
                                               DOT_PRECISION, INTERPRETED)
 
         # causal part inside the chunk: y_l += sum_{s<=l} (C_l . B_s) exp(cs_l - cs_s) dt'_s x_s
-        for kb in range(0, tl.minimum((mb + 1) * BLOCK_M, L), BLOCK_K):
-            offs_k = kb + tl.arange(0, BLOCK_K)
-            mk = offs_k < L
-            causal = offs_m[:, None] >= offs_k[None, :]
-            diag = offs_m[:, None] == offs_k[None, :]
-            if CB_LOADED and CB_WHOLE_TILES:
-                # NOTE: this tile lies in a block the CB kernel wrote whole (see the launcher): only
-                # the row mask, constant along the contiguous axis, so the loads stay vectorized; the
-                # entries above the diagonal are finite and get zero weight below
-                cb = tl.load(cb_base + offs_m[:, None] * CHUNK + offs_k[None, :], mask=mm[:, None],
-                             other=0.0).to(tl.float32)
-            elif CB_LOADED:
-                # NOTE: the CB kernel wrote only s <= l < L (block-wise): mask to exactly that
-                cb = tl.load(cb_base + offs_m[:, None] * CHUNK + offs_k[None, :],
-                             mask=causal & mm[:, None] & mk[None, :], other=0.0).to(tl.float32)
-            elif TMA:
-                BT = tl.trans(_cast(B_desc.load([(t0 + kb).to(tl.int32), g * dstate]), DOT_DTYPE, INTERPRETED))
-                cb = _dot(C_m, BT, None, DOT_PRECISION, INTERPRETED)  # [BLOCK_M, BLOCK_K] fp32
-            else:
-                BT = tl.load(B_base + offs_k[None, :] * stride_B_t + offs_n[:, None],
-                             mask=mn[:, None] & mk[None, :], other=0.0)
-                BT = _cast(BT, DOT_DTYPE, INTERPRETED)  # [BLOCK_N, BLOCK_K]
-                cb = _dot(C_m, BT, None, DOT_PRECISION, INTERPRETED)  # [BLOCK_M, BLOCK_K] fp32
-            acc0 = _scan_head_step(acc0, cb, causal, diag, D0, cs0, cs_buf_ptr, dt_buf_ptr, buf0, xb0, offs_k, mk, offs_p, mp,
-                                   stride_x_t, x_desc, (t0 + kb).to(tl.int32),
-                                   h0 * headdim, DOT_DTYPE, DOT_PRECISION, INTERPRETED, TMA)
-            if HEADS >= 2:
-                acc1 = _scan_head_step(acc1, cb, causal, diag, D1, cs1, cs_buf_ptr, dt_buf_ptr, buf1, xb1, offs_k, mk, offs_p,
-                                       mp, stride_x_t, x_desc, (t0 + kb).to(tl.int32),
-                                       (h0 + 1) * headdim, DOT_DTYPE, DOT_PRECISION, INTERPRETED, TMA)
-            if HEADS >= 4:
-                acc2 = _scan_head_step(acc2, cb, causal, diag, D2, cs2, cs_buf_ptr, dt_buf_ptr, buf2, xb2, offs_k, mk, offs_p,
-                                       mp, stride_x_t, x_desc, (t0 + kb).to(tl.int32),
-                                       (h0 + 2) * headdim, DOT_DTYPE, DOT_PRECISION, INTERPRETED, TMA)
-                acc3 = _scan_head_step(acc3, cb, causal, diag, D3, cs3, cs_buf_ptr, dt_buf_ptr, buf3, xb3, offs_k, mk, offs_p,
-                                       mp, stride_x_t, x_desc, (t0 + kb).to(tl.int32),
-                                       (h0 + 3) * headdim, DOT_DTYPE, DOT_PRECISION, INTERPRETED, TMA)
+        end = tl.minimum((mb + 1) * BLOCK_M, L)
+        if PREFETCH:
+            # NOTE: one head, C B^T loaded in whole tiles (the launcher checks). The C B^T tile, cs
+            # and dt' of the next step are loaded into registers one step ahead: the pipeliner gives
+            # them one shared buffer each at two stages and waits out their latency at every step's
+            # top. The masks stop the look-ahead at the loop's end, where the C B^T block right of
+            # the diagonal was never written (its scratch may hold NaN, and NaN * 0 is NaN)
+            offs_k = tl.arange(0, BLOCK_K)
+            cb_next = tl.load(cb_base + offs_m[:, None] * CHUNK + offs_k[None, :], mask=mm[:, None],
+                              other=0.0).to(tl.float32)
+            cs_next, dt_next = _scan_sources(cs_buf_ptr, dt_buf_ptr, buf0, offs_k, offs_k < L)
+            for kb in range(0, end, BLOCK_K):
+                offs_k = kb + tl.arange(0, BLOCK_K)
+                cb, cs_k, dt_k = cb_next, cs_next, dt_next
+                more = kb + BLOCK_K < end
+                cb_next = tl.load(cb_base + offs_m[:, None] * CHUNK + (offs_k + BLOCK_K)[None, :],
+                                  mask=mm[:, None] & more, other=0.0).to(tl.float32)
+                cs_next, dt_next = _scan_sources(cs_buf_ptr, dt_buf_ptr, buf0, offs_k + BLOCK_K,
+                                                 (offs_k + BLOCK_K < L) & more)
+                acc0 = _scan_head_step(acc0, cb, cs_k, dt_k, offs_m[:, None] >= offs_k[None, :],
+                                       offs_m[:, None] == offs_k[None, :], D0, cs0, xb0, offs_k, offs_k < L, offs_p,
+                                       mp, stride_x_t, x_desc, (t0 + kb).to(tl.int32), h0 * headdim, DOT_DTYPE,
+                                       DOT_PRECISION, INTERPRETED, TMA)
+                acc0 = _dot_done(acc0, INTERPRETED)
+        else:
+            for kb in range(0, end, BLOCK_K):
+                offs_k = kb + tl.arange(0, BLOCK_K)
+                mk = offs_k < L
+                causal = offs_m[:, None] >= offs_k[None, :]
+                diag = offs_m[:, None] == offs_k[None, :]
+                if CB_LOADED:
+                    cb = _scan_cb_tile(cb_base, offs_m, offs_k, mm, mk, causal, CHUNK, CB_WHOLE_TILES)
+                elif TMA:
+                    BT = tl.trans(_cast(B_desc.load([(t0 + kb).to(tl.int32), g * dstate]), DOT_DTYPE, INTERPRETED))
+                    cb = _dot(C_m, BT, None, DOT_PRECISION, INTERPRETED)  # [BLOCK_M, BLOCK_K] fp32
+                else:
+                    BT = tl.load(B_base + offs_k[None, :] * stride_B_t + offs_n[:, None],
+                                 mask=mn[:, None] & mk[None, :], other=0.0)
+                    BT = _cast(BT, DOT_DTYPE, INTERPRETED)  # [BLOCK_N, BLOCK_K]
+                    cb = _dot(C_m, BT, None, DOT_PRECISION, INTERPRETED)  # [BLOCK_M, BLOCK_K] fp32
+                x_row = (t0 + kb).to(tl.int32)
+                cs_k, dt_k = _scan_sources(cs_buf_ptr, dt_buf_ptr, buf0, offs_k, mk)
+                acc0 = _scan_head_step(acc0, cb, cs_k, dt_k, causal, diag, D0, cs0, xb0, offs_k, mk, offs_p, mp,
+                                       stride_x_t, x_desc, x_row, h0 * headdim, DOT_DTYPE, DOT_PRECISION,
+                                       INTERPRETED, TMA)
+                if HEADS >= 2:
+                    cs_k, dt_k = _scan_sources(cs_buf_ptr, dt_buf_ptr, buf1, offs_k, mk)
+                    acc1 = _scan_head_step(acc1, cb, cs_k, dt_k, causal, diag, D1, cs1, xb1, offs_k, mk, offs_p, mp,
+                                           stride_x_t, x_desc, x_row, (h0 + 1) * headdim, DOT_DTYPE, DOT_PRECISION,
+                                           INTERPRETED, TMA)
+                if HEADS >= 4:
+                    cs_k, dt_k = _scan_sources(cs_buf_ptr, dt_buf_ptr, buf2, offs_k, mk)
+                    acc2 = _scan_head_step(acc2, cb, cs_k, dt_k, causal, diag, D2, cs2, xb2, offs_k, mk, offs_p, mp,
+                                           stride_x_t, x_desc, x_row, (h0 + 2) * headdim, DOT_DTYPE, DOT_PRECISION,
+                                           INTERPRETED, TMA)
+                    cs_k, dt_k = _scan_sources(cs_buf_ptr, dt_buf_ptr, buf3, offs_k, mk)
+                    acc3 = _scan_head_step(acc3, cb, cs_k, dt_k, causal, diag, D3, cs3, xb3, offs_k, mk, offs_p, mp,
+                                           stride_x_t, x_desc, x_row, (h0 + 3) * headdim, DOT_DTYPE, DOT_PRECISION,
+                                           INTERPRETED, TMA)
 
         _scan_head_store(acc0, h0, out_ptr, t0, offs_m, offs_p, mm, mp, stride_o_t, stride_o_h, INTERPRETED)
         if HEADS >= 2:

@@ -7,9 +7,11 @@ sizes. Every case draws random inputs and a random pool whose unused slots must 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
+import unittest.mock
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -70,8 +72,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "serial_tma": dict(serial_max_tokens=1 << 30, scan_tma_min_tokens=0),
     "two_kernels": dict(state_serial=False),  # chunk states, then their passing, at every batch size
     # the large-batch default (ssd_config.default_config from LARGE_BATCH_TOKENS): C B^T made once per
-    # (chunk, group) in fp32 and loaded by the scan, two stages, the scan's registers capped
-    "large_batch": dict(scan_cb="fp32", scan_stages=2, scan_maxnreg=128),
+    # (chunk, group) in fp32 and loaded by the scan a step ahead, two stages, the scan's registers
+    # capped, dt' by its own launch on the two-kernel path
+    "large_batch": dict(scan_cb="fp32", scan_stages=2, scan_maxnreg=128, scan_prefetch=True, state_dt_launch=True),
     # the serial path in chunks of a quarter of the model's where sequences average two of them (the
     # default's 128 of 256 never shows at these chunks): boundary states still at the model's multiples
     "serial_subchunk": dict(serial_max_tokens=1 << 30, serial_chunk=CHUNK // 4),
@@ -85,6 +88,21 @@ def ssd_variant(request: pytest.FixtureRequest) -> Iterator[None]:
     _variant.update(VARIANTS[request.param])
     yield
     _variant.clear()
+
+
+@contextlib.contextmanager
+def nan_scratch() -> Iterator[None]:
+    """torch.empty hands out floating tensors full of NaN while the kernels run: an output or scratch
+    element read before any kernel wrote it shows up as NaN (on a GPU the caching allocator may
+    hand back such memory; on a CPU fresh memory is mostly zeros, which hides the read)."""
+    empty = torch.empty
+
+    def poisoned(*args: Any, **kwargs: Any) -> Tensor:
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    with unittest.mock.patch.object(torch, "empty", poisoned):
+        yield
 
 
 def rel_err(a: Tensor, b: Tensor) -> float:
@@ -140,10 +158,11 @@ def run_case(
         config = dataclasses.replace(config, **keep)
     pool_ref, pool_tri = pool.to(DEV, copy=True), pool.to(DEV, copy=True)
     ref = scan(mamba_chunk_scan_varlen_ref, pool_ref)
-    if config is None:
-        tri = scan(mamba_chunk_scan_varlen_triton, pool_tri)
-    else:
-        tri = scan(functools.partial(ssd_scan_with_config, config=config), pool_tri)
+    with nan_scratch():
+        if config is None:
+            tri = scan(mamba_chunk_scan_varlen_triton, pool_tri)
+        else:
+            tri = scan(functools.partial(ssd_scan_with_config, config=config), pool_tri)
 
     assert tri.out.dtype == dtype and tri.out.shape == (T, H, P)
     assert torch.isfinite(tri.out).all()
@@ -332,6 +351,7 @@ def test_default_config_by_dtype_and_batch() -> None:
     small, large = default_config(torch.bfloat16, LARGE_BATCH_TOKENS - 1), default_config(torch.float16, LARGE_BATCH_TOKENS)
     assert small == SSDConfig() and small.scan_cb == "fused"
     assert large.scan_cb == "fp32" and large.scan_stages == 2 and large.scan_maxnreg == 128
+    assert large.scan_prefetch and large.state_dt_launch and not small.scan_prefetch and not small.state_dt_launch
     fp32 = default_config(torch.float32, 1 << 20)  # IEEE dots on FMA units: their own tiles, no C B^T launch
     assert fp32.scan_cb == "fused" and not fp32.scan_tma and not fp32.state_serial
 
