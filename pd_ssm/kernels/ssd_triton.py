@@ -20,12 +20,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import triton
 import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from pd_ssm.kernels.launch import FastKernel
 from pd_ssm.kernels.ssd import NO_DT_LIMIT, ScanOutput, _check_scan_args
 from pd_ssm.kernels.ssd_config import SSDConfig, default_config
 from pd_ssm.kernels.ssd_triton_bmm import _ssd_chunk_cb_kernel
@@ -43,6 +43,20 @@ _INTERPRETED = isinstance(_ssd_chunk_scan_kernel, InterpretedFunction)
 # shared memory for the serial state kernel's fetched-ahead tiles (the H200 gives a program 227 KB)
 _SERIAL_TILE_BUDGET = 128 * 1024
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+# NOTE: an eager call's host time (its launches and their arguments) exceeds its device time up to
+# ~8192 tokens: the kernels launch through FastKernel's cache of compiled kernels (launch.py)
+_META, _SERIAL, _DT, _STATE, _PASSING, _CB, _SCAN = map(FastKernel, (
+    _ssd_chunk_meta_kernel, _ssd_state_serial_kernel, _ssd_chunk_dt_kernel, _ssd_chunk_state_kernel,
+    _ssd_state_passing_kernel, _ssd_chunk_cb_kernel, _ssd_chunk_scan_kernel))
+
+
+def _pow2(n: int) -> int:
+    """The least power of two >= n (triton.next_power_of_2 without its constexpr-function call)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def max_logical_chunks(num_tokens: int, num_seqs: int, chunk_size: int) -> int:
@@ -56,7 +70,7 @@ def max_logical_chunks(num_tokens: int, num_seqs: int, chunk_size: int) -> int:
 
 def _block(n: int, cap: int) -> int:
     # tl.dot needs every dimension >= 16
-    return max(16, min(cap, triton.next_power_of_2(n)))
+    return max(16, min(cap, _pow2(n)))
 
 
 def _serial_step(chunk: int, cap: int) -> tuple[int, int]:
@@ -65,7 +79,7 @@ def _serial_step(chunk: int, cap: int) -> tuple[int, int]:
     bk = _block(chunk, cap)
     if bk < chunk and chunk % bk == 0:
         return bk, bk
-    return chunk, triton.next_power_of_2(max(chunk, 16))
+    return chunk, _pow2(max(chunk, 16))
 
 
 def use_serial_states(cfg: SSDConfig, num_tokens: int, num_seqs: int, max_seqlen: int | None) -> bool:
@@ -199,7 +213,7 @@ def ssd_scan_with_config(
         states = torch.empty(K * H * PN, dtype=dot_dtype, device=dev)  # each chunk's own end state
     starts = torch.empty(K * H * PN, dtype=dot_dtype, device=dev)  # the state entering each chunk
 
-    _ssd_chunk_meta_kernel[(1,)](
+    _META[(1,)](
         cu_seqlens, context_lens, chunk_info, seq_first, seq_end, bcu,
         S, K, Q, S.bit_length(), chunk_size // Q, AT_POSITIONS=return_boundary_states, BLOCK=256, num_warps=4,
     )
@@ -218,7 +232,7 @@ def ssd_scan_with_config(
     dt_lo, dt_hi = (lo, hi) if has_limit else (0.0, 0.0)
     sizes = (K, H, P, N, H // G, dt_lo, dt_hi, x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0),
              B.stride(1))
-    dt_args = dict(CHUNK=Q, CHUNK_PAD=triton.next_power_of_2(Q), HAS_DT_BIAS=dt_bias is not None,
+    dt_args = dict(CHUNK=Q, CHUNK_PAD=_pow2(Q), HAS_DT_BIAS=dt_bias is not None,
                    DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit)
     BP, BN = _block(P, 256), _block(N, 256)
     # NOTE: the descriptors cost the host ~40 us a launch (a short eager scan shows it)
@@ -236,7 +250,7 @@ def ssd_scan_with_config(
         sx_desc, sB_desc = ((_descriptor(x, serial_bk, P), _descriptor(B, serial_bk, serial_bn)) if serial_tma
                             else (x, B))
         bstates = boundary_out()
-        _ssd_state_serial_kernel[(H, S, triton.cdiv(N, serial_bn))](
+        _SERIAL[(H, S, _cdiv(N, serial_bn))](
             x, dt, A, dt_bias, B, cu_seqlens, context_lens, seq_first, bcu, state_indices, has_initial_state,
             dt_buf, cs_buf, starts, ssm_state, bstates, sx_desc, sB_desc,
             *sizes, chunk_size // Q,
@@ -251,11 +265,11 @@ def ssd_scan_with_config(
         sx_desc, sB_desc = ((_descriptor(x, state_bk, P), _descriptor(B, state_bk, state_bn)) if state_tma
                             else (x, B))
         if cfg.state_dt_launch:
-            _ssd_chunk_dt_kernel[(H, K)](
+            _DT[(H, K)](
                 dt, A, dt_bias, chunk_info, dt_buf, cs_buf, K, dt_lo, dt_hi, dt.stride(0), dt.stride(1),
                 **dt_args, num_warps=4,
             )
-        _ssd_chunk_state_kernel[(H, K, triton.cdiv(N, state_bn))](
+        _STATE[(H, K, _cdiv(N, state_bn))](
             x, dt, A, dt_bias, B, chunk_info, dt_buf, cs_buf, states, sx_desc, sB_desc,
             *sizes,
             **dt_args, REREAD=cfg.state_reread or cfg.state_dt_launch, TMA=state_tma, DT_DONE=cfg.state_dt_launch,
@@ -263,8 +277,8 @@ def ssd_scan_with_config(
             **dot,
         )
         bstates = boundary_out()  # NOTE: after the chunk-state launch, which runs while the host waits
-        pass_block = min(cfg.pass_block, triton.next_power_of_2(PN))
-        _ssd_state_passing_kernel[(triton.cdiv(PN, pass_block), S, H)](
+        pass_block = min(cfg.pass_block, _pow2(PN))
+        _PASSING[(_cdiv(PN, pass_block), S, H)](
             states, cs_buf, chunk_info, seq_first, seq_end, state_indices, has_initial_state,
             starts, ssm_state, bstates, K, H, PN,
             CHUNK=Q, RETURN_BOUNDARY=return_boundary_states, INTERPRETED=_INTERPRETED, BLOCK=pass_block,
@@ -277,7 +291,7 @@ def ssd_scan_with_config(
         cb_dtype = torch.float32 if cfg.scan_cb == "fp32" else dot_dtype
         cb = torch.empty((K, G, Q, Q), dtype=cb_dtype, device=dev)  # [K, G, Q, Q], s <= l < L written
         cb_blk = _block(Q, cfg.cb_block)
-        _ssd_chunk_cb_kernel[(triton.cdiv(Q, cb_blk), triton.cdiv(Q, cb_blk), K * G)](
+        _CB[(_cdiv(Q, cb_blk), _cdiv(Q, cb_blk), K * G)](
             C, B, chunk_info, cb, K, G, N, C.stride(0), C.stride(1), B.stride(0), B.stride(1),
             # NOTE: IEEE fp32 dots run on FMA units from registers: narrower dstate steps keep them
             # from spilling (ptxas, sm_90: 255 registers + stack at 128)
@@ -300,7 +314,7 @@ def ssd_scan_with_config(
     prefetch = cfg.scan_prefetch and whole_tiles and heads == 1
     x_desc, B_desc, C_desc = ((_descriptor(x, block_k, P), _descriptor(B, block_k, N), _descriptor(C, block_m, N))
                               if scan_tma else (x, B, C))  # unused without TMA
-    _ssd_chunk_scan_kernel[(H // (heads * loop), triton.cdiv(Q, block_m), K)](
+    _SCAN[(H // (heads * loop), _cdiv(Q, block_m), K)](
         x, B, C, D, dt_buf, cs_buf, starts, chunk_info, cb, out, x_desc, B_desc, C_desc,
         K, H, P, N, H // G, G,
         x.stride(0), x.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),

@@ -1,0 +1,91 @@
+"""Triton launches with less host time, for kernels launched eagerly many times with the same
+argument signature (the SSD scan's four to six launches a call).
+
+Triton's `fn[grid](...)` binds every argument into a dict, specializes each, builds and looks up a
+cache key (with `str()` of the options), checks the kernel's globals, then launches. On the lent
+H200 hosts an eager SSD call spent 290-610 us of host time on its launches and arguments, more than
+its device time up to 8192 tokens (benchmarks/RESULTS.md, session 16).
+
+`FastKernel(fn)[grid](*args, **constexprs)` takes the same arguments. Its first call for an argument
+signature goes through Triton, which compiles and launches, and keeps the compiled kernel; later
+calls launch that kernel directly. The signature is Triton's own specialization of each runtime
+argument (`native_specialize_impl`: a tensor's dtype and 16-byte alignment, an int's width and
+whether it is 1 or a multiple of 16, a descriptor's dtype and block), plus the constexprs and
+launch options by value and the device. So a compiled kernel is reused exactly where Triton itself
+would reuse it. Runtime arguments go positionally and constexprs by keyword, as in every launcher
+here. Under TRITON_INTERPRET=1 every call goes through the interpreter unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from triton import knobs
+from triton._C.libtriton import native_specialize_impl
+from triton.runtime import driver
+from triton.runtime.interpreter import InterpretedFunction
+
+
+class FastKernel:
+    """A @triton.jit function with a cache of its compiled kernels by argument signature."""
+
+    __slots__ = ("_fn", "_specialize", "_defaults", "_cache", "_backends")
+
+    def __init__(self, fn: Any) -> None:
+        self._fn = fn
+        self._cache: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
+        self._backends: dict[int, Any] = {}
+        self._specialize: list[tuple[bool, bool]] = []
+        self._defaults: dict[str, Any] = {}
+        if isinstance(fn, InterpretedFunction):
+            return
+        runtime = [p for p in fn.params if not p.is_constexpr]
+        # NOTE: the direct path knows only the plain layout: runtime parameters first, none annotated
+        # (Triton types an annotated one by its annotation) or const; any other kernel always goes
+        # through Triton
+        if any(p.is_constexpr for p in fn.params[:len(runtime)]) or any(p.annotation_type or p.is_const
+                                                                         for p in runtime):
+            return
+        # per runtime parameter, in order: (specialize on value, specialize on alignment)
+        self._specialize = [(not p.do_not_specialize, not p.do_not_specialize_on_alignment) for p in runtime]
+        self._defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+
+    def __getitem__(self, grid: Sequence[int]) -> Callable[..., None]:
+        if not self._specialize:  # interpreted, or a kernel the direct path does not know
+            return self._fn[grid]  # type: ignore[no-any-return]
+        return lambda *args, **kwargs: self._launch(tuple(grid), args, kwargs)
+
+    def _launch(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        device = driver.active.get_current_device()
+        backend = self._backends.get(device)
+        if backend is None or len(args) != len(self._specialize):
+            self._through_triton(grid, args, kwargs, device)
+            return
+        key = (device, tuple(native_specialize_impl(backend, a, False, value, align)
+                             for a, (value, align) in zip(args, self._specialize, strict=True)),
+               tuple(kwargs.items()))
+        hit = self._cache.get(key)
+        if hit is None:
+            self._through_triton(grid, args, kwargs, device, key)
+            return
+        kernel, constexprs = hit
+        stream = driver.active.get_current_stream(device)
+        g0, g1, g2 = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
+        kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata,
+                   kernel.launch_metadata(grid, stream, *args, *constexprs), knobs.runtime.launch_enter_hook,
+                   knobs.runtime.launch_exit_hook, *args, *constexprs)
+
+    def _through_triton(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any], device: int,
+                        key: tuple[Any, ...] | None = None) -> None:
+        kernel = self._fn[grid](*args, **kwargs)
+        if device not in self._backends:
+            self._backends[device] = self._fn.device_caches[device][3]
+        if key is None or kernel is None:
+            return  # the next call computes the key
+        if hasattr(kernel, "result"):  # an asynchronous compile's future
+            kernel = kernel.result()
+        # the constexpr parameters in order, after the runtime ones (the kernel's full argument list)
+        names = self._fn.arg_names[len(args):]
+        self._cache[key] = (kernel, tuple(kwargs[n] if n in kwargs else self._defaults[n] for n in names))
+
