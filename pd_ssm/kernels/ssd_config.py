@@ -58,13 +58,13 @@ class SSDConfig:
     # chunk states and state passing in one launch, one program per (head, sequence, dstate block)
     # walking the sequence's chunks (ssd_triton_serial.py): no fp32 chunk-state round trip, one launch
     # less, but only H * S * N / serial_block_n programs, each as long as its sequence. Used where the
-    # longest sequence has at most serial_max_tokens (ssd_triton.use_serial_states). H200, 2.7B
+    # longest sequence has at most serial_max_tokens (ssd_plan.use_serial_states). H200, 2.7B
     # shapes (benchmarks/RESULTS.md, session 13), against the two kernels: 4-15% faster at 8 x 1024 to
     # 64 x 128 tokens, level at 2 x 4096 and 4 x 2048, 1.4x slower at 1 x 8192 and 1.3x at
     # 7680 + 512. Its x and B tiles go through TMA descriptors under scan_tma's conditions
     state_serial: bool = True
     serial_max_tokens: int = 1024
-    # the serial path's chunk where it divides the model's (ssd_triton.kernel_chunk): 12% faster at 16 x
+    # the serial path's chunk where it divides the model's (ssd_plan.kernel_chunk): 12% faster at 16 x
     # 1024 tokens than the model's 256 (H200, benchmarks/RESULTS.md, session 14)
     serial_chunk: int = 128
     serial_block_n: int = 64  # dstate columns per serial program

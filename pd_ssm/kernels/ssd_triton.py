@@ -2,7 +2,8 @@
 
 Same contract as `ssd.mamba_chunk_scan_varlen_ref` (signature, semantics, ScanOutput); the kernels
 are in `ssd_triton_kernels.py`, `ssd_triton_serial.py`, `ssd_triton_bmm.py` and `ssd_triton_scan.py`;
-their block shapes and switches in `ssd_config.py`.
+their block shapes and switches in `ssd_config.py`; the choices made from shapes alone (state path,
+kernel chunk, grid bound, blocks) in `ssd_plan.py`.
 Four launches: chunk metadata, chunk states (dt' and its cumsum fused in), state passing along each
 sequence, chunk scan (the C B^T product fused in). For batches of short sequences (bf16 / fp16:
 at most SSDConfig.serial_max_tokens, `use_serial_states`) the middle two are one launch that walks
@@ -28,6 +29,15 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from pd_ssm.kernels.launch import FastKernel
 from pd_ssm.kernels.ssd import NO_DT_LIMIT, ScanOutput, _check_scan_args
 from pd_ssm.kernels.ssd_config import SSDConfig, default_config
+from pd_ssm.kernels.ssd_plan import (
+    block,
+    cdiv,
+    kernel_chunk,
+    max_logical_chunks,
+    pow2,
+    serial_step,
+    use_serial_states,
+)
 from pd_ssm.kernels.ssd_triton_bmm import _ssd_chunk_cb_kernel
 from pd_ssm.kernels.ssd_triton_kernels import (
     _ssd_chunk_dt_kernel,
@@ -48,70 +58,6 @@ _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.flo
 _META, _SERIAL, _DT, _STATE, _PASSING, _CB, _SCAN = map(FastKernel, (
     _ssd_chunk_meta_kernel, _ssd_state_serial_kernel, _ssd_chunk_dt_kernel, _ssd_chunk_state_kernel,
     _ssd_state_passing_kernel, _ssd_chunk_cb_kernel, _ssd_chunk_scan_kernel))
-
-
-def _pow2(n: int) -> int:
-    """The least power of two >= n (triton.next_power_of_2 without its constexpr-function call)."""
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def max_logical_chunks(num_tokens: int, num_seqs: int, chunk_size: int) -> int:
-    """Upper bound on the logical chunks of any batch of this size, from shapes alone.
-
-    A sequence of n tokens spans at most ceil(n / Q) + 1 chunks (one more for a mid-chunk start),
-    and ceil(n / Q) <= (n - 1) // Q + 1; summed: (T - S) // Q + 2 S. No chunk is empty: <= T.
-    """
-    return min(num_tokens, (num_tokens - num_seqs) // chunk_size + 2 * num_seqs)
-
-
-def _block(n: int, cap: int) -> int:
-    # tl.dot needs every dimension >= 16
-    return max(16, min(cap, _pow2(n)))
-
-
-def _serial_step(chunk: int, cap: int) -> tuple[int, int]:
-    """(tokens a step, tile rows) of the serial state kernel: steps of a power of two (>= 16 for
-    tl.dot, <= cap) that divides the chunk, else the whole chunk in one tile of its padded size."""
-    bk = _block(chunk, cap)
-    if bk < chunk and chunk % bk == 0:
-        return bk, bk
-    return chunk, _pow2(max(chunk, 16))
-
-
-def use_serial_states(cfg: SSDConfig, num_tokens: int, num_seqs: int, max_seqlen: int | None) -> bool:
-    """Whether chunk states and their passing run as the serial kernel (else the two kernels).
-
-    The serial kernel takes as long as its longest walk, so it pays only where every sequence is
-    short: the longest one at most `serial_max_tokens`. Without `max_seqlen` (reading cu_seqlens
-    would sync the host) the average T / S stands in for it, a lower bound: one long sequence among
-    many short ones then runs serially too (H200: 7680 + 512 tokens 1.3x slower that way).
-    """
-    if not cfg.state_serial:
-        return False
-    if max_seqlen is None:
-        return num_tokens <= num_seqs * cfg.serial_max_tokens
-    return max_seqlen <= cfg.serial_max_tokens
-
-
-def kernel_chunk(cfg: SSDConfig, chunk_size: int, serial: bool, num_tokens: int, num_seqs: int) -> int:
-    """The chunk the kernels scan in: the model's, or on the serial path cfg.serial_chunk where that
-    is smaller, divides it, and the sequences average at least two of them. The result is the same
-    function of the inputs either way (the chunking is the algorithm's, not the model's); boundary
-    states stay at the model's multiples.
-
-    A smaller chunk shortens the scan's causal part (about Q / 2 sources a row) and adds states
-    entering chunks (T / Q of them). The serial path stores only those (in the dot dtype) and gains
-    at 128 against 256 (H200, 2.7B shapes, benchmarks/RESULTS.md, session 14): 10-13% from 32 x 256
-    to 16 x 1024 tokens; but 64 x 128 tokens lose 9% (sequences of one or two chunks either way).
-    The two-kernel path also writes and reads every chunk's own fp32 state, and gains nothing.
-    """
-    small = cfg.serial_chunk
-    fits = small < chunk_size and chunk_size % small == 0 and num_tokens >= 2 * small * num_seqs
-    return small if serial and fits else chunk_size
 
 
 def _tma_readable(x: Tensor, B: Tensor, C: Tensor, block_p: int, block_n: int) -> bool:
@@ -232,14 +178,14 @@ def ssd_scan_with_config(
     dt_lo, dt_hi = (lo, hi) if has_limit else (0.0, 0.0)
     sizes = (K, H, P, N, H // G, dt_lo, dt_hi, x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0),
              B.stride(1))
-    dt_args = dict(CHUNK=Q, CHUNK_PAD=_pow2(Q), HAS_DT_BIAS=dt_bias is not None,
+    dt_args = dict(CHUNK=Q, CHUNK_PAD=pow2(Q), HAS_DT_BIAS=dt_bias is not None,
                    DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit)
-    BP, BN = _block(P, 256), _block(N, 256)
+    BP, BN = block(P, 256), block(N, 256)
     # NOTE: the descriptors cost the host ~40 us a launch (a short eager scan shows it)
     long_enough = T >= cfg.scan_tma_min_tokens and _tma_readable(x, B, C, BP, BN)
     if serial:
-        serial_bn = _block(N, cfg.serial_block_n)
-        step, serial_bk = _serial_step(Q, cfg.serial_block_k)
+        serial_bn = block(N, cfg.serial_block_n)
+        step, serial_bk = serial_step(Q, cfg.serial_block_k)
         # NOTE: TMA boxes reach 256 rows; a serial program's B tile must stay in its group:
         # dstate a whole number of its blocks
         serial_tma = cfg.state_tma and long_enough and N % serial_bn == 0 and serial_bk <= 256
@@ -250,7 +196,7 @@ def ssd_scan_with_config(
         sx_desc, sB_desc = ((_descriptor(x, serial_bk, P), _descriptor(B, serial_bk, serial_bn)) if serial_tma
                             else (x, B))
         bstates = boundary_out()
-        _SERIAL[(H, S, _cdiv(N, serial_bn))](
+        _SERIAL[(H, S, cdiv(N, serial_bn))](
             x, dt, A, dt_bias, B, cu_seqlens, context_lens, seq_first, bcu, state_indices, has_initial_state,
             dt_buf, cs_buf, starts, ssm_state, bstates, sx_desc, sB_desc,
             *sizes, chunk_size // Q,
@@ -258,8 +204,8 @@ def ssd_scan_with_config(
             BLOCK_P=BP, BLOCK_N=serial_bn, num_warps=cfg.serial_warps, num_stages=serial_stages, **dot,
         )
     else:
-        state_bn = _block(N, cfg.state_block_n)
-        state_bk = _block(Q, cfg.state_block_k)
+        state_bn = block(N, cfg.state_block_n)
+        state_bk = block(Q, cfg.state_block_k)
         # NOTE: a state program's B tile must stay in its group: dstate a whole number of its blocks
         state_tma = cfg.state_tma and long_enough and N % state_bn == 0
         sx_desc, sB_desc = ((_descriptor(x, state_bk, P), _descriptor(B, state_bk, state_bn)) if state_tma
@@ -269,7 +215,7 @@ def ssd_scan_with_config(
                 dt, A, dt_bias, chunk_info, dt_buf, cs_buf, K, dt_lo, dt_hi, dt.stride(0), dt.stride(1),
                 **dt_args, num_warps=4,
             )
-        _STATE[(H, K, _cdiv(N, state_bn))](
+        _STATE[(H, K, cdiv(N, state_bn))](
             x, dt, A, dt_bias, B, chunk_info, dt_buf, cs_buf, states, sx_desc, sB_desc,
             *sizes,
             **dt_args, REREAD=cfg.state_reread or cfg.state_dt_launch, TMA=state_tma, DT_DONE=cfg.state_dt_launch,
@@ -277,8 +223,8 @@ def ssd_scan_with_config(
             **dot,
         )
         bstates = boundary_out()  # NOTE: after the chunk-state launch, which runs while the host waits
-        pass_block = min(cfg.pass_block, _pow2(PN))
-        _PASSING[(_cdiv(PN, pass_block), S, H)](
+        pass_block = min(cfg.pass_block, pow2(PN))
+        _PASSING[(cdiv(PN, pass_block), S, H)](
             states, cs_buf, chunk_info, seq_first, seq_end, state_indices, has_initial_state,
             starts, ssm_state, bstates, K, H, PN,
             CHUNK=Q, RETURN_BOUNDARY=return_boundary_states, INTERPRETED=_INTERPRETED, BLOCK=pass_block,
@@ -290,19 +236,19 @@ def ssd_scan_with_config(
         # fp32 dots (fp32 inputs) keep C B^T in fp32 whatever scan_cb says
         cb_dtype = torch.float32 if cfg.scan_cb == "fp32" else dot_dtype
         cb = torch.empty((K, G, Q, Q), dtype=cb_dtype, device=dev)  # [K, G, Q, Q], s <= l < L written
-        cb_blk = _block(Q, cfg.cb_block)
-        _CB[(_cdiv(Q, cb_blk), _cdiv(Q, cb_blk), K * G)](
+        cb_blk = block(Q, cfg.cb_block)
+        _CB[(cdiv(Q, cb_blk), cdiv(Q, cb_blk), K * G)](
             C, B, chunk_info, cb, K, G, N, C.stride(0), C.stride(1), B.stride(0), B.stride(1),
             # NOTE: IEEE fp32 dots run on FMA units from registers: narrower dstate steps keep them
             # from spilling (ptxas, sm_90: 255 registers + stack at 128)
-            CHUNK=Q, BLOCK=cb_blk, BLOCK_N=_block(N, 32 if dot_dtype == torch.float32 else 128),
+            CHUNK=Q, BLOCK=cb_blk, BLOCK_N=block(N, 32 if dot_dtype == torch.float32 else 128),
             num_warps=cfg.cb_warps, **dot,
         )
     else:
         cb, cb_blk = out, 0  # never read: CB_LOADED is off
 
-    block_m = _block(Q, cfg.scan_block_m)
-    block_k = _block(Q, cfg.scan_block_k)
+    block_m = block(Q, cfg.scan_block_m)
+    block_k = block(Q, cfg.scan_block_k)
     # NOTE: a scan tile (rows of one row block, columns below (row block + 1) * block_m) lies in one
     # CB block on or below the diagonal, which the CB kernel wrote whole (columns past L as zeros),
     # when CB blocks are whole row blocks, row blocks whole column steps, and chunks whole row blocks
@@ -314,7 +260,7 @@ def ssd_scan_with_config(
     prefetch = cfg.scan_prefetch and whole_tiles and heads == 1
     x_desc, B_desc, C_desc = ((_descriptor(x, block_k, P), _descriptor(B, block_k, N), _descriptor(C, block_m, N))
                               if scan_tma else (x, B, C))  # unused without TMA
-    _SCAN[(H // (heads * loop), _cdiv(Q, block_m), K)](
+    _SCAN[(H // (heads * loop), cdiv(Q, block_m), K)](
         x, B, C, D, dt_buf, cs_buf, starts, chunk_info, cb, out, x_desc, B_desc, C_desc,
         K, H, P, N, H // G, G,
         x.stride(0), x.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),

@@ -228,6 +228,15 @@ def _ssd_chunk_scan_kernel(
                     acc3 = _scan_head_step(acc3, cb, cs_k, dt_k, causal, diag, D3, cs3, xb3, offs_k, mk, offs_p, mp,
                                            stride_x_t, x_desc, x_row, (h0 + 3) * headdim, DOT_DTYPE, DOT_PRECISION,
                                            INTERPRETED, TMA)
+                if CB_LOADED:
+                    # NOTE: as in the look-ahead loop: nothing else waits the step's wgmma (the fused
+                    # scan's next C B^T dot waits it before the weights that reuse its registers)
+                    acc0 = _dot_done(acc0, INTERPRETED)
+                    if HEADS >= 2:
+                        acc1 = _dot_done(acc1, INTERPRETED)
+                    if HEADS >= 4:
+                        acc2 = _dot_done(acc2, INTERPRETED)
+                        acc3 = _dot_done(acc3, INTERPRETED)
 
         _scan_head_store(acc0, h0, out_ptr, t0, offs_m, offs_p, mm, mp, stride_o_t, stride_o_h, INTERPRETED)
         if HEADS >= 2:

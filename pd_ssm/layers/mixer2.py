@@ -216,5 +216,5 @@ class Mamba2Mixer(nn.Module):
             cu_seqlens=pre.query_start_loc, context_lens=pre.context_lens, ssm_state=cache.ssm(self.layer_idx),
             state_indices=pre.state_indices, has_initial_state=pre.has_initial_state,
             D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.prefill_dt_limit,
-            max_seqlen=pre.max_query_len,  # picks the Triton scan's state path (ssd_triton.use_serial_states)
+            max_seqlen=pre.max_query_len,  # picks the Triton scan's state path (ssd_plan.use_serial_states)
         ).out

@@ -24,13 +24,8 @@ pytest.importorskip("triton")
 
 from pd_ssm.kernels.ssd import ScanOutput, _chunk_grid, mamba_chunk_scan_varlen_ref  # noqa: E402
 from pd_ssm.kernels.ssd_config import LARGE_BATCH_TOKENS, SSDConfig, default_config  # noqa: E402
-from pd_ssm.kernels.ssd_triton import (  # noqa: E402
-    kernel_chunk,
-    mamba_chunk_scan_varlen_triton,
-    max_logical_chunks,
-    ssd_scan_with_config,
-    use_serial_states,
-)
+from pd_ssm.kernels.ssd_plan import kernel_chunk, max_logical_chunks, use_serial_states  # noqa: E402
+from pd_ssm.kernels.ssd_triton import mamba_chunk_scan_varlen_triton, ssd_scan_with_config  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     # NOTE: Triton 3.6's interpreter turns a loop bound that is a kernel argument into int() of a
