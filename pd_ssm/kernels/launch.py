@@ -8,7 +8,8 @@ its device time up to 8192 tokens (benchmarks/RESULTS.md, session 16).
 
 `FastKernel(fn)[grid](*args, **constexprs)` takes the same arguments. Its first call for an argument
 signature goes through Triton, which compiles and launches, and keeps the compiled kernel; later
-calls launch that kernel directly. The signature is Triton's own specialization of each runtime
+calls launch that kernel directly. (The kernel's very first call keeps nothing: Triton's backend
+object, which the signature needs, exists only after it.) The signature is Triton's own specialization of each runtime
 argument (`native_specialize_impl`: a tensor's dtype and 16-byte alignment, an int's width and
 whether it is 1 or a multiple of 16, a descriptor's dtype and block), plus the constexprs and
 launch options by value and the device. So a compiled kernel is reused exactly where Triton itself
