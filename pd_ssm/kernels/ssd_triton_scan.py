@@ -36,17 +36,22 @@ def _scan_sources(cs_buf_ptr, dt_buf_ptr, buf, offs_k, mk):
 
 
 @triton.jit
+def _scan_cb_rows(cb_base, offs_m, offs_k, rows, CHUNK: tl.constexpr):
+    """A [BLOCK_M, BLOCK_K] tile of the loaded C B^T in fp32, from a block the CB kernel wrote whole
+    (see the launcher): only a row mask `rows` [BLOCK_M, 1], constant along the contiguous axis, so
+    the loads stay vectorized; the entries above the diagonal are finite and get zero weight in the
+    step."""
+    return tl.load(cb_base + offs_m[:, None] * CHUNK + offs_k[None, :], mask=rows, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _scan_cb_tile(cb_base, offs_m, offs_k, mm, mk, causal, CHUNK: tl.constexpr, CB_WHOLE_TILES: tl.constexpr):
     """A [BLOCK_M, BLOCK_K] tile of the loaded C B^T, fp32."""
     if CB_WHOLE_TILES:
-        # NOTE: this tile lies in a block the CB kernel wrote whole (see the launcher): only the row
-        # mask, constant along the contiguous axis, so the loads stay vectorized; the entries above
-        # the diagonal are finite and get zero weight in the step
-        cb = tl.load(cb_base + offs_m[:, None] * CHUNK + offs_k[None, :], mask=mm[:, None], other=0.0)
-    else:
-        # NOTE: the CB kernel wrote only s <= l < L (block-wise): mask to exactly that
-        cb = tl.load(cb_base + offs_m[:, None] * CHUNK + offs_k[None, :], mask=causal & mm[:, None] & mk[None, :],
-                     other=0.0)
+        return _scan_cb_rows(cb_base, offs_m, offs_k, mm[:, None], CHUNK)
+    # NOTE: the CB kernel wrote only s <= l < L (block-wise): mask to exactly that
+    cb = tl.load(cb_base + offs_m[:, None] * CHUNK + offs_k[None, :], mask=causal & mm[:, None] & mk[None, :],
+                 other=0.0)
     return cb.to(tl.float32)
 
 
@@ -177,17 +182,15 @@ def _ssd_chunk_scan_kernel(
             # top. The masks stop the look-ahead at the loop's end, where the C B^T block right of
             # the diagonal was never written (its scratch may hold NaN, and NaN * 0 is NaN)
             offs_k = tl.arange(0, BLOCK_K)
-            cb_next = tl.load(cb_base + offs_m[:, None] * CHUNK + offs_k[None, :], mask=mm[:, None],
-                              other=0.0).to(tl.float32)
+            cb_next = _scan_cb_rows(cb_base, offs_m, offs_k, mm[:, None], CHUNK)
             cs_next, dt_next = _scan_sources(cs_buf_ptr, dt_buf_ptr, buf0, offs_k, offs_k < L)
             for kb in range(0, end, BLOCK_K):
                 offs_k = kb + tl.arange(0, BLOCK_K)
                 cb, cs_k, dt_k = cb_next, cs_next, dt_next
                 more = kb + BLOCK_K < end
-                cb_next = tl.load(cb_base + offs_m[:, None] * CHUNK + (offs_k + BLOCK_K)[None, :],
-                                  mask=mm[:, None] & more, other=0.0).to(tl.float32)
-                cs_next, dt_next = _scan_sources(cs_buf_ptr, dt_buf_ptr, buf0, offs_k + BLOCK_K,
-                                                 (offs_k + BLOCK_K < L) & more)
+                nk = offs_k + BLOCK_K
+                cb_next = _scan_cb_rows(cb_base, offs_m, nk, mm[:, None] & more, CHUNK)
+                cs_next, dt_next = _scan_sources(cs_buf_ptr, dt_buf_ptr, buf0, nk, (nk < L) & more)
                 acc0 = _scan_head_step(acc0, cb, cs_k, dt_k, offs_m[:, None] >= offs_k[None, :],
                                        offs_m[:, None] == offs_k[None, :], D0, cs0, xb0, offs_k, offs_k < L, offs_p,
                                        mp, stride_x_t, x_desc, (t0 + kb).to(tl.int32), h0 * headdim, DOT_DTYPE,
