@@ -94,10 +94,10 @@ _FP32_CONFIG = SSDConfig(state_block_k=64, state_warps=8, state_stages=2, scan_b
 # 56 KB of shared memory: four an SM, not three. The same rounding as the fused scan, 5-6% less
 # device time at 1 x 8192, 16 x 1024 and 1 x 32768 (1% at 1 x 2048; H200, 2.7B shapes, RESULTS.md
 # session 14); with its tiles fetched a step ahead and dt' by its own launch, 1 x 32768 1.16 -> 1.08 ms
-# and 16 x 1024 0.483 -> 0.462 ms more (session 16). But one launch more each, ~50-80 us of host
-# time, which eager calls of fewer tokens do not hide (on a slow host 1 x 8192 went 0.54 -> 0.60
-# ms), so smaller batches keep the fused scan
-LARGE_BATCH_TOKENS = 16384
+# and 16 x 1024 0.483 -> 0.462 ms more (session 16). But two launches more, whose host time eager
+# calls of fewer tokens do not hide: with plans kept per signature (session 17), eager 1 x 8192
+# 0.332 -> 0.299 ms, but 1 x 4096 0.241 -> 0.279 ms (host-bound), so smaller batches keep the fused scan
+LARGE_BATCH_TOKENS = 8192
 _LARGE_BATCH_CONFIG = SSDConfig(scan_cb="fp32", scan_stages=2, scan_maxnreg=128, scan_prefetch=True,
                                 state_dt_launch=True)
 

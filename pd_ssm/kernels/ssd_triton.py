@@ -2,8 +2,8 @@
 
 Same contract as `ssd.mamba_chunk_scan_varlen_ref` (signature, semantics, ScanOutput); the kernels
 are in `ssd_triton_kernels.py`, `ssd_triton_serial.py`, `ssd_triton_bmm.py` and `ssd_triton_scan.py`;
-their block shapes and switches in `ssd_config.py`; the choices made from shapes alone (state path,
-kernel chunk, grid bound, blocks) in `ssd_plan.py`.
+their block shapes and switches in `ssd_config.py`; every launch's grid, scalars and constexprs,
+from shapes and config alone, in `ssd_plan.py` (a plan is made once per input signature).
 Four launches: chunk metadata, chunk states (dt' and its cumsum fused in), state passing along each
 sequence, chunk scan (the C B^T product fused in). For batches of short sequences (bf16 / fp16:
 at most SSDConfig.serial_max_tokens, `use_serial_states`) the middle two are one launch that walks
@@ -19,25 +19,17 @@ cu_seqlens and context_lens are therefore not validated here (the reference does
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
-import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from pd_ssm.kernels.launch import FastKernel
+from pd_ssm.kernels.launch import Compiled, FastKernel
 from pd_ssm.kernels.ssd import NO_DT_LIMIT, ScanOutput, _check_scan_args
 from pd_ssm.kernels.ssd_config import SSDConfig, default_config
-from pd_ssm.kernels.ssd_plan import (
-    block,
-    cdiv,
-    kernel_chunk,
-    max_logical_chunks,
-    pow2,
-    serial_step,
-    use_serial_states,
-)
+from pd_ssm.kernels.ssd_plan import Launch, ScanPlan, ScanShape, block, plan_scan
 from pd_ssm.kernels.ssd_triton_bmm import _ssd_chunk_cb_kernel
 from pd_ssm.kernels.ssd_triton_kernels import (
     _ssd_chunk_dt_kernel,
@@ -50,11 +42,9 @@ from pd_ssm.kernels.ssd_triton_serial import _ssd_state_serial_kernel
 
 # the interpreter replaces @triton.jit functions at import when TRITON_INTERPRET=1
 _INTERPRETED = isinstance(_ssd_chunk_scan_kernel, InterpretedFunction)
-# shared memory for the serial state kernel's fetched-ahead tiles (the H200 gives a program 227 KB)
-_SERIAL_TILE_BUDGET = 128 * 1024
-_DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # NOTE: an eager call's host time (its launches and their arguments) exceeds its device time up to
-# ~8192 tokens: the kernels launch through FastKernel's cache of compiled kernels (launch.py)
+# ~8192 tokens: the kernels launch through FastKernel's cache of compiled kernels (launch.py), by
+# plans kept per input signature (below)
 _META, _SERIAL, _DT, _STATE, _PASSING, _CB, _SCAN = map(FastKernel, (
     _ssd_chunk_meta_kernel, _ssd_state_serial_kernel, _ssd_chunk_dt_kernel, _ssd_chunk_state_kernel,
     _ssd_state_passing_kernel, _ssd_chunk_cb_kernel, _ssd_chunk_scan_kernel))
@@ -73,7 +63,12 @@ def _tma_readable(x: Tensor, B: Tensor, C: Tensor, block_p: int, block_n: int) -
 
 def _descriptor(t: Tensor, rows: int, cols: int) -> TensorDescriptor:
     """A TMA descriptor of `t` [T, H, P] (or [T, G, N]) as [T, H * P], tiles of [rows, cols]."""
-    return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [rows, cols])
+    # NOTE: built without TensorDescriptor's __post_init__ checks (~4 us of host time each): the plan
+    # uses descriptors only for a signature `_tma_readable` passed (alignments, strides, tile widths)
+    d = object.__new__(TensorDescriptor)
+    d.base, d.shape, d.strides = t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1]
+    d.block_shape, d.padding = [rows, cols], "zero"
+    return d
 
 
 def mamba_chunk_scan_varlen_triton(
@@ -117,158 +112,137 @@ def mamba_chunk_scan_varlen_triton(
     )
 
 
+class _Prepared:
+    """A scan signature's plan and, per launch, the compiled kernel FastKernel returned for it."""
+
+    __slots__ = ("plan", "compiled")
+
+    def __init__(self, plan: ScanPlan) -> None:
+        self.plan = plan
+        self.compiled: list[Compiled | None] = [None] * 7
+
+    def go(self, i: int, kernel: FastKernel, launch: Launch, tensors: tuple[Any, ...]) -> None:
+        self.compiled[i] = kernel.run(launch.grid, (*tensors, *launch.scalars), launch.constexprs, self.compiled[i])
+
+
+# NOTE: plans by input signature; bounded (prefill batches of every token count each have one), and
+# cleared whole when full: a plan costs ~0.1 ms of host time to make again
+_PLANS: dict[tuple[Any, ...], _Prepared] = {}
+_MAX_PLANS = 512
+
+
+def _signature(t: Tensor | None) -> tuple[Any, ...] | None:
+    # everything of a tensor that the checks, the plan or Triton's specialization look at
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
+
+
 def ssd_scan_with_config(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, *, cu_seqlens: Tensor,
     context_lens: Tensor, ssm_state: Tensor, state_indices: Tensor, has_initial_state: Tensor,
     D: Tensor | None, dt_bias: Tensor | None, dt_softplus: bool, dt_limit: Sequence[float],
     return_boundary_states: bool, config: SSDConfig | None, max_seqlen: int | None = None,
 ) -> ScanOutput:
-    """`mamba_chunk_scan_varlen_triton` with explicit block shapes (None: the default for the dtype)."""
-    _check_scan_args(x, dt, A, B, C, chunk_size, cu_seqlens, context_lens, ssm_state, state_indices,
-                     has_initial_state, D, dt_bias)
+    """`mamba_chunk_scan_varlen_triton` with explicit block shapes (None: the default for the dtype).
+
+    A call whose arguments match an earlier call's signature (`_signature` of every tensor, the
+    scalars, the config) reuses that call's checks, plan and compiled kernels: its host time is the
+    allocations and the launches (an eager scan's host time exceeds its device time up to ~8192
+    tokens, benchmarks/RESULTS.md, session 17).
+    """
+    limit = (float(dt_limit[0]), float(dt_limit[1]))
+    key = (*map(_signature, (x, dt, A, B, C, cu_seqlens, context_lens, ssm_state, state_indices, has_initial_state,
+                            D, dt_bias)),
+           chunk_size, dt_softplus, limit, return_boundary_states, config, max_seqlen)
+    prepared = _PLANS.get(key)
+    if prepared is None:
+        _check_scan_args(x, dt, A, B, C, chunk_size, cu_seqlens, context_lens, ssm_state, state_indices,
+                         has_initial_state, D, dt_bias)
+        T, H, P = x.shape
+        G, N = B.shape[1], B.shape[2]
+        S = cu_seqlens.shape[0] - 1
+        if P > 256 or N > 256:
+            raise ValueError(f"mamba_chunk_scan_varlen_triton: headdim ({P}) and dstate ({N}) must be <= 256")
+        if T == 0:
+            out = torch.empty((0, H, P), dtype=x.dtype, device=x.device)
+            if not return_boundary_states:
+                return ScanOutput(out, None, None)
+            bcu = torch.zeros(S + 1, dtype=torch.int32, device=x.device)
+            return ScanOutput(out, torch.zeros(0, H, P, N, dtype=torch.float32, device=x.device), bcu)
+        dot_dtype = x.dtype if x.dtype == B.dtype == C.dtype else torch.float32
+        shape = ScanShape(
+            T=T, H=H, P=P, G=G, N=N, S=S, chunk_size=chunk_size, dot_dtype=dot_dtype, elem_size=x.element_size(),
+            strides=(x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), C.stride(0),
+                     C.stride(1)),
+            has_D=D is not None, has_dt_bias=dt_bias is not None, dt_softplus=dt_softplus, dt_limit=limit,
+            boundaries=return_boundary_states, max_seqlen=max_seqlen,
+            tma_readable=_tma_readable(x, B, C, block(P, 256), block(N, 256)))
+        prepared = _Prepared(plan_scan(shape, config or default_config(dot_dtype, T), _INTERPRETED))
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = prepared
+    return _scan(prepared, x, dt, A, B, C, cu_seqlens, context_lens, ssm_state, state_indices, has_initial_state,
+                 D, dt_bias, return_boundary_states)
+
+
+def _scan(
+    prepared: _Prepared, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, cu_seqlens: Tensor,
+    context_lens: Tensor, ssm_state: Tensor, state_indices: Tensor, has_initial_state: Tensor, D: Tensor | None,
+    dt_bias: Tensor | None, boundaries: bool,
+) -> ScanOutput:
+    """The launches of a checked call by its plan."""
+    p = prepared.plan
     T, H, P = x.shape
-    G, N = B.shape[1], B.shape[2]
-    S = cu_seqlens.shape[0] - 1
-    if P > 256 or N > 256:
-        raise ValueError(f"mamba_chunk_scan_varlen_triton: headdim ({P}) and dstate ({N}) must be <= 256")
+    N = B.shape[2]
     dev = x.device
     out = torch.empty((T, H, P), dtype=x.dtype, device=dev)  # [T, H, P]
-    if T == 0:
-        empty = torch.zeros(0, H, P, N, dtype=torch.float32, device=dev)
-        bcu = torch.zeros(S + 1, dtype=torch.int32, device=dev)
-        return ScanOutput(out, empty, bcu) if return_boundary_states else ScanOutput(out, None, None)
-
-    same = x.dtype == B.dtype == C.dtype
-    dot_dtype = x.dtype if same else torch.float32
-    cfg = config or default_config(dot_dtype, T)
-    serial = use_serial_states(cfg, T, S, max_seqlen)
-    Q = kernel_chunk(cfg, chunk_size, serial, T, S)  # the kernels' chunk; boundary states stay at chunk_size
-    K = max_logical_chunks(T, S, Q)
-    PN = P * N
-
     # scratch: one int32 and one fp32 allocation, carved into views
-    meta = torch.empty(4 * K + 3 * S + 1, dtype=torch.int32, device=dev)
-    chunk_info, seq_first, seq_end, bcu = meta.split([4 * K, S, S, S + 1])
-    # NOTE: low chunk states halve the largest round trip (K H P N values written, then read);
-    # each is rounded once, before the fp32 sum along the sequence
-    low_states = cfg.chunk_states_low and dot_dtype != torch.float32
-    own_states = 0 if low_states or serial else K * H * PN  # fp32 chunk end states (two-kernel path)
-    work = torch.empty(2 * H * K * Q + own_states, dtype=torch.float32, device=dev)
-    dt_buf, cs_buf, states = work.split([H * K * Q, H * K * Q, own_states])
-    if low_states and not serial:
-        states = torch.empty(K * H * PN, dtype=dot_dtype, device=dev)  # each chunk's own end state
-    starts = torch.empty(K * H * PN, dtype=dot_dtype, device=dev)  # the state entering each chunk
+    chunk_info, seq_first, seq_end, bcu = _carve(torch.empty(sum(p.meta_sizes), dtype=torch.int32, device=dev),
+                                                 p.meta_sizes)
+    dt_buf, cs_buf, states = _carve(torch.empty(sum(p.work_sizes), dtype=torch.float32, device=dev), p.work_sizes)
+    if p.low_states:
+        states = torch.empty(p.low_states, dtype=p.dot_dtype, device=dev)  # each chunk's own end state
+    starts = torch.empty(p.starts, dtype=p.dot_dtype, device=dev)  # the state entering each chunk
 
-    _META[(1,)](
-        cu_seqlens, context_lens, chunk_info, seq_first, seq_end, bcu,
-        S, K, Q, S.bit_length(), chunk_size // Q, AT_POSITIONS=return_boundary_states, BLOCK=256, num_warps=4,
-    )
+    prepared.go(0, _META, p.meta, (cu_seqlens, context_lens, chunk_info, seq_first, seq_end, bcu))
 
     def boundary_out() -> Tensor:
-        if not return_boundary_states:
+        if not boundaries:
             return starts  # never written: RETURN_BOUNDARY is off
         # NOTE: the one host synchronization: the count of boundary states sizes the output
-        return torch.empty((int(bcu[S]), H, P, N), dtype=torch.float32, device=dev)
+        return torch.empty((int(bcu[-1]), H, P, N), dtype=torch.float32, device=dev)
 
-    lo, hi = float(dt_limit[0]), float(dt_limit[1])
-    has_limit = (lo, hi) != NO_DT_LIMIT
-    dot = dict(DOT_DTYPE=_DOT_DTYPES[dot_dtype], DOT_PRECISION="ieee" if dot_dtype == torch.float32 else "tf32",
-               INTERPRETED=_INTERPRETED)
-    # the chunk-state kernels' (either path's) dimensions and strides, and their dt' switches
-    dt_lo, dt_hi = (lo, hi) if has_limit else (0.0, 0.0)
-    sizes = (K, H, P, N, H // G, dt_lo, dt_hi, x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0),
-             B.stride(1))
-    dt_args = dict(CHUNK=Q, CHUNK_PAD=pow2(Q), HAS_DT_BIAS=dt_bias is not None,
-                   DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit)
-    BP, BN = block(P, 256), block(N, 256)
-    # NOTE: the descriptors cost the host ~40 us a launch (a short eager scan shows it)
-    long_enough = T >= cfg.scan_tma_min_tokens and _tma_readable(x, B, C, BP, BN)
-    if serial:
-        serial_bn = block(N, cfg.serial_block_n)
-        step, serial_bk = serial_step(Q, cfg.serial_block_k)
-        # NOTE: TMA boxes reach 256 rows; a serial program's B tile must stay in its group:
-        # dstate a whole number of its blocks
-        serial_tma = cfg.state_tma and long_enough and N % serial_bn == 0 and serial_bk <= 256
-        # NOTE: the pipeline holds stages - 1 x and B tiles in shared memory beside the scaled x^T it
-        # stages for the dot; whole fp32 chunks (96 KB a stage at P 64) fit two stages, not three
-        stage_bytes = serial_bk * (BP + serial_bn) * x.element_size()
-        serial_stages = max(1, min(cfg.serial_stages, 1 + _SERIAL_TILE_BUDGET // stage_bytes))
-        sx_desc, sB_desc = ((_descriptor(x, serial_bk, P), _descriptor(B, serial_bk, serial_bn)) if serial_tma
-                            else (x, B))
+    sx, sB = (x, B) if p.state_tiles is None else (_descriptor(x, *p.state_tiles[0]), _descriptor(B, *p.state_tiles[1]))
+    if p.serial is not None:
         bstates = boundary_out()
-        _SERIAL[(H, S, cdiv(N, serial_bn))](
+        prepared.go(1, _SERIAL, p.serial, (
             x, dt, A, dt_bias, B, cu_seqlens, context_lens, seq_first, bcu, state_indices, has_initial_state,
-            dt_buf, cs_buf, starts, ssm_state, bstates, sx_desc, sB_desc,
-            *sizes, chunk_size // Q,
-            **dt_args, TMA=serial_tma, RETURN_BOUNDARY=return_boundary_states, STEP=step, BLOCK_K=serial_bk,
-            BLOCK_P=BP, BLOCK_N=serial_bn, num_warps=cfg.serial_warps, num_stages=serial_stages, **dot,
-        )
+            dt_buf, cs_buf, starts, ssm_state, bstates, sx, sB))
     else:
-        state_bn = block(N, cfg.state_block_n)
-        state_bk = block(Q, cfg.state_block_k)
-        # NOTE: a state program's B tile must stay in its group: dstate a whole number of its blocks
-        state_tma = cfg.state_tma and long_enough and N % state_bn == 0
-        sx_desc, sB_desc = ((_descriptor(x, state_bk, P), _descriptor(B, state_bk, state_bn)) if state_tma
-                            else (x, B))
-        if cfg.state_dt_launch:
-            _DT[(H, K)](
-                dt, A, dt_bias, chunk_info, dt_buf, cs_buf, K, dt_lo, dt_hi, dt.stride(0), dt.stride(1),
-                **dt_args, num_warps=4,
-            )
-        _STATE[(H, K, cdiv(N, state_bn))](
-            x, dt, A, dt_bias, B, chunk_info, dt_buf, cs_buf, states, sx_desc, sB_desc,
-            *sizes,
-            **dt_args, REREAD=cfg.state_reread or cfg.state_dt_launch, TMA=state_tma, DT_DONE=cfg.state_dt_launch,
-            BLOCK_K=state_bk, BLOCK_P=BP, BLOCK_N=state_bn, num_warps=cfg.state_warps, num_stages=cfg.state_stages,
-            **dot,
-        )
+        assert p.state is not None and p.passing is not None
+        if p.dt is not None:
+            prepared.go(2, _DT, p.dt, (dt, A, dt_bias, chunk_info, dt_buf, cs_buf))
+        prepared.go(3, _STATE, p.state, (x, dt, A, dt_bias, B, chunk_info, dt_buf, cs_buf, states, sx, sB))
         bstates = boundary_out()  # NOTE: after the chunk-state launch, which runs while the host waits
-        pass_block = min(cfg.pass_block, pow2(PN))
-        _PASSING[(cdiv(PN, pass_block), S, H)](
-            states, cs_buf, chunk_info, seq_first, seq_end, state_indices, has_initial_state,
-            starts, ssm_state, bstates, K, H, PN,
-            CHUNK=Q, RETURN_BOUNDARY=return_boundary_states, INTERPRETED=_INTERPRETED, BLOCK=pass_block,
-            num_warps=cfg.pass_warps,
-        )
+        prepared.go(4, _PASSING, p.passing, (
+            states, cs_buf, chunk_info, seq_first, seq_end, state_indices, has_initial_state, starts, ssm_state,
+            bstates))
 
-    cb_loaded = cfg.scan_cb != "fused"
-    if cb_loaded:
-        # fp32 dots (fp32 inputs) keep C B^T in fp32 whatever scan_cb says
-        cb_dtype = torch.float32 if cfg.scan_cb == "fp32" else dot_dtype
-        cb = torch.empty((K, G, Q, Q), dtype=cb_dtype, device=dev)  # [K, G, Q, Q], s <= l < L written
-        cb_blk = block(Q, cfg.cb_block)
-        _CB[(cdiv(Q, cb_blk), cdiv(Q, cb_blk), K * G)](
-            C, B, chunk_info, cb, K, G, N, C.stride(0), C.stride(1), B.stride(0), B.stride(1),
-            # NOTE: IEEE fp32 dots run on FMA units from registers: narrower dstate steps keep them
-            # from spilling (ptxas, sm_90: 255 registers + stack at 128)
-            CHUNK=Q, BLOCK=cb_blk, BLOCK_N=block(N, 32 if dot_dtype == torch.float32 else 128),
-            num_warps=cfg.cb_warps, **dot,
-        )
-    else:
-        cb, cb_blk = out, 0  # never read: CB_LOADED is off
-
-    block_m = block(Q, cfg.scan_block_m)
-    block_k = block(Q, cfg.scan_block_k)
-    # NOTE: a scan tile (rows of one row block, columns below (row block + 1) * block_m) lies in one
-    # CB block on or below the diagonal, which the CB kernel wrote whole (columns past L as zeros),
-    # when CB blocks are whole row blocks, row blocks whole column steps, and chunks whole row blocks
-    whole_tiles = cb_loaded and cb_blk % block_m == 0 and block_m % block_k == 0 and Q % block_m == 0
-    heads = cfg.scan_heads if (H // G) % cfg.scan_heads == 0 else 1
-    # NOTE: one program's heads must lie in one group; else fall back to one set per program
-    loop = cfg.scan_head_loop if (H // G) % (heads * cfg.scan_head_loop) == 0 else 1
-    scan_tma = cfg.scan_tma and long_enough
-    prefetch = cfg.scan_prefetch and whole_tiles and heads == 1
-    x_desc, B_desc, C_desc = ((_descriptor(x, block_k, P), _descriptor(B, block_k, N), _descriptor(C, block_m, N))
-                              if scan_tma else (x, B, C))  # unused without TMA
-    _SCAN[(H // (heads * loop), cdiv(Q, block_m), K)](
-        x, B, C, D, dt_buf, cs_buf, starts, chunk_info, cb, out, x_desc, B_desc, C_desc,
-        K, H, P, N, H // G, G,
-        x.stride(0), x.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
-        out.stride(0), out.stride(1),
-        CHUNK=Q, HAS_D=D is not None, HEADS=heads, HEAD_LOOP=loop, CB_LOADED=cb_loaded, CB_WHOLE_TILES=whole_tiles, TMA=scan_tma,
-        PREFETCH=prefetch, BLOCK_M=block_m, BLOCK_K=block_k,
-        BLOCK_P=BP, BLOCK_N=BN, num_warps=cfg.scan_warps, num_stages=cfg.scan_stages, maxnreg=cfg.scan_maxnreg, **dot,
-    )
-    if not return_boundary_states:
+    cb = out  # never read where CB_LOADED is off
+    if p.cb is not None and p.cb_shape is not None:
+        cb = torch.empty(p.cb_shape, dtype=p.cb_dtype, device=dev)  # [K, G, Q, Q], s <= l < L written
+        prepared.go(5, _CB, p.cb, (C, B, chunk_info, cb))
+    xd, Bd, Cd = (x, B, C) if p.scan_tiles is None else (
+        _descriptor(x, *p.scan_tiles[0]), _descriptor(B, *p.scan_tiles[1]), _descriptor(C, *p.scan_tiles[2]))
+    prepared.go(6, _SCAN, p.scan, (x, B, C, D, dt_buf, cs_buf, starts, chunk_info, cb, out, xd, Bd, Cd))
+    if not boundaries:
         return ScanOutput(out, None, None)
     return ScanOutput(out, bstates, bcu)
+
+
+def _carve(buf: Tensor, sizes: Sequence[int]) -> list[Tensor]:
+    """Consecutive views of `buf`, of these sizes (slices: Tensor.split costs the host more)."""
+    views, at = [], 0
+    for n in sizes:
+        views.append(buf[at:at + n])
+        at += n
+    return views

@@ -22,6 +22,8 @@ from torch import Tensor
 
 pytest.importorskip("triton")
 
+from pd_ssm.kernels import ssd_triton  # noqa: E402
+from pd_ssm.kernels.launch import FastKernel  # noqa: E402
 from pd_ssm.kernels.ssd import ScanOutput, _chunk_grid, mamba_chunk_scan_varlen_ref  # noqa: E402
 from pd_ssm.kernels.ssd_config import LARGE_BATCH_TOKENS, SSDConfig, default_config  # noqa: E402
 from pd_ssm.kernels.ssd_plan import kernel_chunk, max_logical_chunks, use_serial_states  # noqa: E402
@@ -362,3 +364,42 @@ def test_logical_chunk_bound_holds() -> None:
         cu = cu_of(lengths)
         grid = _chunk_grid(cu, ctx, q, torch.device("cpu"))
         assert sum(grid.num_chunks) <= max_logical_chunks(cu[-1], S, q)
+
+
+def test_a_repeated_signature_launches_by_its_first_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    # an engine scans with the same shapes layer after layer: later calls of a signature reuse the
+    # first one's checks, plan and compiled kernels (on a GPU, FastKernel.verify recomputes Triton's
+    # specialization of every such launch and raises where it would pick another kernel)
+    monkeypatch.setattr(FastKernel, "verify", True)
+    monkeypatch.setattr(ssd_triton, "_PLANS", {})
+    for seed in (31, 32, 33, 34):  # new inputs every call; compiled, then cached, then direct
+        run_case([5, 130, 67], [0, 37, 64], [False, True, True], seed=seed, dtype=torch.bfloat16)
+    assert len(ssd_triton._PLANS) == 1
+    prepared = next(iter(ssd_triton._PLANS.values()))
+    assert (prepared.plan.serial is None) == (prepared.plan.state is not None)
+    if CUDA:  # every launch the plan makes has its compiled kernel
+        launches = [prepared.plan.meta, prepared.plan.serial, prepared.plan.dt, prepared.plan.state,
+                    prepared.plan.passing, prepared.plan.cb, prepared.plan.scan]
+        assert [c is not None for c in prepared.compiled] == [launch is not None for launch in launches]
+    run_case([5, 130, 66], [0, 37, 64], [False, True, True], seed=35, dtype=torch.bfloat16)
+    assert len(ssd_triton._PLANS) == 2  # another token count: another plan
+
+
+def test_a_known_signature_with_bad_arguments_still_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ssd_triton, "_PLANS", {})
+    ref, _ = run_case([7, 20], [0, 3], [False, True], seed=36)
+    g = gen(37)
+    inp = make_ssm_inputs(g, 27 * X, H, P, 1, N, torch.float32)
+    pool = torch.randn(4, H, P, N, generator=g).to(DEV)
+    kw: dict[str, Any] = dict(cu_seqlens=i32(cu_of([7 * X, 20 * X])).to(DEV), context_lens=i32([0, 3 * X]).to(DEV),
+                              ssm_state=pool, state_indices=i32([0, 2]).to(DEV),
+                              has_initial_state=torch.tensor([False, True], device=DEV), D=inp.D.to(DEV),
+                              dt_bias=inp.dt_bias.to(DEV), dt_limit=INF_LIMIT, return_boundary_states=True)
+    args = (inp.x.to(DEV), inp.dt.to(DEV), inp.A.to(DEV), inp.B.to(DEV), inp.C.to(DEV), CHUNK)
+    mamba_chunk_scan_varlen_triton(*args, **kw)  # the signature is known now
+    plans = len(ssd_triton._PLANS)
+    with pytest.raises(ValueError, match="state_indices"):
+        mamba_chunk_scan_varlen_triton(*args, **{**kw, "state_indices": i32([0, 2, 3]).to(DEV)})
+    with pytest.raises(ValueError, match="dt_bias"):
+        mamba_chunk_scan_varlen_triton(*args, **{**kw, "dt_bias": inp.dt_bias.to(DEV).int()})
+    assert len(ssd_triton._PLANS) == plans and ref.out.shape == (27 * X, H, P)
