@@ -18,7 +18,9 @@ import triton.language as tl
 from torch import Tensor
 
 from pd_ssm.kernels._device import num_sms, on_device
+from pd_ssm.kernels._grid import cdiv, pow2
 from pd_ssm.kernels.attention import _check_decode_args
+from pd_ssm.kernels.launch import FastKernel
 
 
 @triton.jit
@@ -180,7 +182,7 @@ def default_decode_config(
         # NOTE: best of four tilings on an H200 at 32/8 heads, head_dim 128, context 4096, batch 1 and 64
         return DecodeConfig(use_dot=True, block_n=32, num_warps=4)
     # NOTE: the fp32 path holds a [G, N, D] product at once; keep it at 8K values
-    block_n = max(16, min(64, 8192 // (triton.next_power_of_2(group) * triton.next_power_of_2(head_dim))))
+    block_n = max(16, min(64, 8192 // (pow2(group) * pow2(head_dim))))
     return DecodeConfig(use_dot=False, block_n=block_n, num_warps=4)
 
 
@@ -188,7 +190,7 @@ def _num_splits(programs: int, max_tiles: int, device: torch.device) -> int:
     """Context slices per (sequence, kv head), from shapes only: enough programs for two waves over
     the SMs, at least 4 tiles of the longest possible context per slice; a power of two (<= 64)
     so that few combine kernels get compiled."""
-    want = triton.next_power_of_2(triton.cdiv(2 * num_sms(device), programs))
+    want = pow2(cdiv(2 * num_sms(device), programs))
     cap = 1 << (max(1, max_tiles // 4).bit_length() - 1)  # largest power of two <= max_tiles // 4
     return min(want, cap, 64)
 
@@ -221,6 +223,10 @@ def paged_decode_attention_triton(
     return launch_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, cfg)
 
 
+_DECODE = FastKernel(_decode_kernel)
+_DECODE_COMBINE = FastKernel(_decode_combine_kernel)
+
+
 def launch_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, block_tables: Tensor,
                   scale: float, cfg: DecodeConfig) -> Tensor:
     """The launches behind `paged_decode_attention_triton`, with the tile chosen by the caller (the
@@ -231,10 +237,10 @@ def launch_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor,
     if B == 0:
         return out
     group = H // hkv
-    block_g = triton.next_power_of_2(group)
+    block_g = pow2(group)
     block_g = max(16, block_g) if cfg.use_dot else block_g  # NOTE: tl.dot needs 16 rows; the rest are masked
-    block_d = max(16, triton.next_power_of_2(D)) if cfg.use_dot else triton.next_power_of_2(D)
-    num_splits = _num_splits(B * hkv, triton.cdiv(block_tables.shape[1] * block_size, cfg.block_n), q.device)
+    block_d = max(16, pow2(D)) if cfg.use_dot else pow2(D)
+    num_splits = _num_splits(B * hkv, cdiv(block_tables.shape[1] * block_size, cfg.block_n), q.device)
     if num_splits > 1:
         part_ml = torch.empty((B, H, num_splits, 2), dtype=torch.float32, device=q.device)
         part_acc = torch.empty((B, H, num_splits, D), dtype=torch.float32, device=q.device)
@@ -242,7 +248,7 @@ def launch_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor,
         part_ml = part_acc = out  # unused
     seq_lens, tables = seq_lens.contiguous(), block_tables.contiguous()
     with on_device(q):
-        _decode_kernel[(B, hkv, num_splits)](
+        _DECODE[(B, hkv, num_splits)](
             q, k_cache, v_cache, seq_lens, tables, out, part_ml, part_acc,
             float(scale), hkv, D, block_size,
             q.stride(0), q.stride(1), tables.stride(0), out.stride(0), out.stride(1),
@@ -251,8 +257,8 @@ def launch_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if num_splits > 1:
-            _decode_combine_kernel[(B, H)](
+            _DECODE_COMBINE[(B, H)](
                 part_ml, part_acc, out, H, D, num_splits, out.stride(0), out.stride(1),
-                BLOCK_S=num_splits, BLOCK_D=triton.next_power_of_2(D), num_warps=4,
+                BLOCK_S=num_splits, BLOCK_D=pow2(D), num_warps=4,
             )
     return out

@@ -15,7 +15,9 @@ import triton.language as tl
 from torch import Tensor
 
 from pd_ssm.kernels._device import on_device
+from pd_ssm.kernels._grid import cdiv, pow2
 from pd_ssm.kernels.attention import _check_prefill_args
+from pd_ssm.kernels.launch import FastKernel
 
 
 @triton.jit
@@ -130,6 +132,9 @@ def _prefill_kernel(
 _INTERPRETED = not isinstance(_prefill_kernel, triton.runtime.JITFunction)
 
 
+_PREFILL = FastKernel(_prefill_kernel)
+
+
 def varlen_prefill_attention_triton(
     q: Tensor,
     k_cache: Tensor,
@@ -165,15 +170,15 @@ def varlen_prefill_attention_triton(
     ieee = not (q.dtype == k_cache.dtype and q.dtype in (torch.bfloat16, torch.float16))
     block_m, block_n, warps = (32, 32, 8) if ieee else (64, 64, 4)
     # NOTE: sum over sequences of cdiv(len, BLOCK_M) <= cdiv(T, BLOCK_M) + S - 1
-    max_tiles = triton.cdiv(T, block_m) + S - 1
+    max_tiles = cdiv(T, block_m) + S - 1
     tables = block_tables.contiguous()
     with on_device(q):
-        _prefill_kernel[(max_tiles, H)](
+        _PREFILL[(max_tiles, H)](
             q, k_cache, v_cache, cu_seqlens_q.contiguous(), seq_lens.contiguous(), tables, out,
             float(scale), S, hkv, D, block_size,
             q.stride(0), q.stride(1), tables.stride(0), out.stride(0), out.stride(1),
-            GROUP=H // hkv, IEEE=ieee, INTERPRETED=_INTERPRETED, BLOCK_S=triton.next_power_of_2(S + 1),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
+            GROUP=H // hkv, IEEE=ieee, INTERPRETED=_INTERPRETED, BLOCK_S=pow2(S + 1),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, pow2(D)),
             num_warps=warps, num_stages=2,
         )
     return out

@@ -19,8 +19,10 @@ import triton.language as tl
 from torch import Tensor
 
 from pd_ssm.kernels._device import on_device
+from pd_ssm.kernels._grid import cdiv, pow2
 from pd_ssm.kernels.conv1d import _check_conv_args
 from pd_ssm.kernels.conv1d_triton_varlen import _silu_in
+from pd_ssm.kernels.launch import FastKernel
 from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 
 
@@ -120,6 +122,9 @@ def causal_conv1d_update_triton(
                               default_update_tile(x.shape[0]))
 
 
+_CONV_UPDATE = FastKernel(_conv_update_kernel)
+
+
 def launch_conv_update(
     x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None, state_indices: Tensor,
     activation: str | None, tile: UpdateTile,
@@ -130,13 +135,13 @@ def launch_conv_update(
     out = torch.empty_like(x, memory_format=torch.contiguous_format)  # [B, dim]
     if B == 0:
         return out
-    block_d = min(tile.block_d, max(32, triton.next_power_of_2(dim)))
+    block_d = min(tile.block_d, max(32, pow2(dim)))
     # NOTE: a channel held by two threads would race (one thread's shift overwrites a column the
     # other has yet to read), so the block never has fewer channels than threads
     num_warps = max(1, min(tile.num_warps, block_d // 32))
     pdl = use_pdl(x)
     with on_device(x):
-        _conv_update_kernel[(triton.cdiv(dim, block_d), B)](
+        _CONV_UPDATE[(cdiv(dim, block_d), B)](
             x, weight, bias, conv_state, state_indices.contiguous(), out,
             dim,
             x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),

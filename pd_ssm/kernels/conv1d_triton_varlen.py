@@ -29,7 +29,9 @@ from torch import Tensor
 
 from pd_ssm.kernels._checks import check_dtype, check_ndim, check_same_device, check_shape
 from pd_ssm.kernels._device import on_device
+from pd_ssm.kernels._grid import cdiv, pow2
 from pd_ssm.kernels.conv1d import _check_conv_args
+from pd_ssm.kernels.launch import FastKernel
 
 
 @triton.jit
@@ -235,6 +237,10 @@ def causal_conv1d_varlen_triton(
                               activation, VARLEN_TILE)
 
 
+_CONV_BOUNDARY = FastKernel(_conv_boundary_kernel)
+_CONV_STENCIL = FastKernel(_conv_stencil_kernel)
+
+
 def launch_conv_varlen(
     x: Tensor, weight: Tensor, bias: Tensor | None, conv_state: Tensor, cu_seqlens: Tensor,
     state_indices: Tensor, has_initial_state: Tensor, activation: str | None, tile: ConvTile,
@@ -245,24 +251,24 @@ def launch_conv_varlen(
     num_seqs = cu_seqlens.shape[0] - 1
     width = weight.shape[1]
     out = torch.empty_like(x, memory_format=torch.contiguous_format)  # [T, dim]
-    block_d = min(tile.block_d, triton.next_power_of_2(dim))
+    block_d = min(tile.block_d, pow2(dim))
     meta = dict(WIDTH=width, HAS_BIAS=bias is not None, SILU=activation == "silu", FAST_EXP=x.is_cuda)
     with on_device(x):
         if T > 0:
-            _conv_stencil_kernel[(triton.cdiv(dim, block_d) * triton.cdiv(T, tile.block_t),)](
+            _CONV_STENCIL[(cdiv(dim, block_d) * cdiv(T, tile.block_t),)](
                 x, weight, bias, out,
                 T, dim,
                 x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
                 **meta, EVEN_D=dim % block_d == 0, BLOCK_T=tile.block_t, BLOCK_D=block_d,
                 num_warps=tile.num_warps,
             )
-        bd = min(_BOUNDARY_BLOCK_D, triton.next_power_of_2(dim))
-        _conv_boundary_kernel[(num_seqs, triton.cdiv(dim, bd))](
+        bd = min(_BOUNDARY_BLOCK_D, pow2(dim))
+        _CONV_BOUNDARY[(num_seqs, cdiv(dim, bd))](
             x, weight, bias, conv_state, cu_seqlens.contiguous(), state_indices.contiguous(),
             has_initial_state.contiguous(), out,
             dim,
             x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
-            **meta, BLOCK_D=bd, BLOCK_J=triton.next_power_of_2(width - 1),
+            **meta, BLOCK_D=bd, BLOCK_J=pow2(width - 1),
             num_warps=4 if bd >= 128 else 1,
         )
     return out

@@ -21,9 +21,11 @@ import triton.language as tl
 from torch import Tensor
 
 from pd_ssm.kernels._device import on_device
+from pd_ssm.kernels._grid import cdiv
 from pd_ssm.kernels.conv1d import _check_conv_args
 from pd_ssm.kernels.conv1d_triton_update import causal_conv1d_update_triton
 from pd_ssm.kernels.conv1d_triton_varlen import _silu_in
+from pd_ssm.kernels.launch import FastKernel
 from pd_ssm.kernels.pdl import launch_options, use_pdl
 from pd_ssm.kernels.skinny_linear_triton import fma_gemv_row, fma_tile, gemv_serves, linear_triton
 
@@ -89,6 +91,9 @@ def fusable(hidden: Tensor, weight: Tensor) -> bool:
     return gemv_serves(hidden, weight) and hidden.shape[0] == 1
 
 
+_IN_PROJ_CONV = FastKernel(_in_proj_conv_kernel)
+
+
 def in_proj_conv_triton(
     hidden: Tensor,
     weight: Tensor,
@@ -122,7 +127,7 @@ def in_proj_conv_triton(
     t = fma_tile(N)
     pdl = use_pdl(hidden)
     with on_device(hidden):
-        _in_proj_conv_kernel[(triton.cdiv(N, t.block_n),)](
+        _IN_PROJ_CONV[(cdiv(N, t.block_n),)](
             hidden, weight, bias, proj, conv_state, state_indices.contiguous(), conv_weight, conv_bias, xbc,
             N, K, conv_start, conv_dim,
             weight.stride(0), conv_weight.stride(0), conv_weight.stride(1),

@@ -8,7 +8,9 @@ import triton.language as tl
 from torch import Tensor
 
 from pd_ssm.kernels._device import on_device
+from pd_ssm.kernels._grid import pow2
 from pd_ssm.kernels.attention import _check_kv_write_args
+from pd_ssm.kernels.launch import FastKernel
 
 
 @triton.jit
@@ -36,6 +38,9 @@ def _write_kv_kernel(
     tl.store(v_cache_ptr + dst, kv.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 
+_WRITE_KV = FastKernel(_write_kv_kernel)
+
+
 def write_kv_cache_triton(
     k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
 ) -> None:
@@ -53,9 +58,9 @@ def write_kv_cache_triton(
     _, _, hkv, d = k_cache.shape
     if T == 0:
         return
-    block_h, block_d = triton.next_power_of_2(hkv), triton.next_power_of_2(d)
+    block_h, block_d = pow2(hkv), pow2(d)
     with on_device(k):
-        _write_kv_kernel[(T,)](
+        _WRITE_KV[(T,)](
             k, v, k_cache, v_cache, slot_mapping.contiguous(),
             hkv, d, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             BLOCK_H=block_h, BLOCK_D=block_d, num_warps=max(1, min(8, block_h * block_d // 256)),

@@ -39,7 +39,7 @@ class Compiled(NamedTuple):
     """A compiled kernel and the constexprs it was compiled for, in parameter order, on one device."""
 
     kernel: Any
-    constexprs: tuple[Any, ...]
+    constexprs: tuple[Any, ...]  # the parameters after the positional arguments, in order (constexprs, defaults)
     device: int
 
 
@@ -49,29 +49,31 @@ class FastKernel:
     # NOTE: tests set this: every launch handed a Compiled also computes Triton's specialization of its
     # arguments and raises if that would pick another kernel (the caller's signature promise broken)
     verify: ClassVar[bool] = False
-    __slots__ = ("_fn", "_specialize", "_defaults", "_cache", "_backends")
+    # NOTE: benchmarks clear this to time Triton's own launch path in the same process
+    enabled: ClassVar[bool] = True
+    __slots__ = ("_fn", "_specialize", "_defaults", "_runtime", "_cache", "_backends")
 
     def __init__(self, fn: Any) -> None:
         self._fn = fn
         self._cache: dict[tuple[Any, ...], Compiled] = {}
         self._backends: dict[int, Any] = {}
-        self._specialize: list[tuple[bool, bool]] = []
+        # per parameter, in order: (constexpr, specialize on value, specialize on alignment)
+        self._specialize: list[tuple[bool, bool, bool]] = []
         self._defaults: dict[str, Any] = {}
+        self._runtime: frozenset[str] = frozenset()
         if isinstance(fn, InterpretedFunction):
             return
-        runtime = [p for p in fn.params if not p.is_constexpr]
-        # NOTE: the direct path knows only the plain layout: runtime parameters first, none annotated
-        # (Triton types an annotated one by its annotation) or const; any other kernel always goes
-        # through Triton
-        if any(p.is_constexpr for p in fn.params[:len(runtime)]) or any(p.annotation_type or p.is_const
-                                                                         for p in runtime):
+        # NOTE: the direct path does not know annotated runtime parameters (Triton types them by
+        # their annotation) or const ones: such a kernel always goes through Triton
+        if any(p.annotation_type or p.is_const for p in fn.params if not p.is_constexpr):
             return
-        # per runtime parameter, in order: (specialize on value, specialize on alignment)
-        self._specialize = [(not p.do_not_specialize, not p.do_not_specialize_on_alignment) for p in runtime]
-        self._defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+        self._specialize = [(p.is_constexpr, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
+                            for p in fn.params]
+        self._defaults = {p.name: p.default for p in fn.params if p.has_default}
+        self._runtime = frozenset(p.name for p in fn.params if not p.is_constexpr)
 
     def __getitem__(self, grid: Sequence[int]) -> Callable[..., object]:
-        if not self._specialize:  # interpreted, or a kernel the direct path does not know
+        if not self._specialize or not FastKernel.enabled:  # interpreted, or a kernel the direct path does not know
             return self._fn[grid]  # type: ignore[no-any-return]
         return lambda *args, **kwargs: self._launch(tuple(grid), args, kwargs)
 
@@ -85,7 +87,7 @@ class FastKernel:
         computing the signature. Returns the compiled kernel to hand the next such call, or None
         where there is none yet (interpreted, the kernel's very first call, another layout).
         """
-        if not self._specialize:
+        if not self._specialize or not FastKernel.enabled:
             self._fn[grid](*args, **constexprs)
             return None
         if compiled is None or compiled.device != driver.active.get_current_device():
@@ -98,7 +100,7 @@ class FastKernel:
     def _launch(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Compiled | None:
         device = driver.active.get_current_device()
         backend = self._backends.get(device)
-        if backend is None or len(args) != len(self._specialize):
+        if backend is None or len(args) > len(self._specialize):
             return self._through_triton(grid, args, kwargs, device)
         key = self._signature(backend, device, args, kwargs)
         hit = self._cache.get(key)
@@ -108,8 +110,9 @@ class FastKernel:
         return hit
 
     def _signature(self, backend: Any, device: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        return (device, tuple(native_specialize_impl(backend, a, False, value, align)
-                              for a, (value, align) in zip(args, self._specialize, strict=True)),
+        # a positional constexpr by its value, a runtime argument by Triton's specialization of it
+        return (device, tuple(a if const else native_specialize_impl(backend, a, False, value, align)
+                              for a, (const, value, align) in zip(args, self._specialize, strict=False)),
                 tuple(kwargs.items()))
 
     def _verify(self, compiled: Compiled, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -136,8 +139,11 @@ class FastKernel:
             return None  # the next call computes the key
         if hasattr(kernel, "result"):  # an asynchronous compile's future
             kernel = kernel.result()
-        # the constexpr parameters in order, after the runtime ones (the kernel's full argument list)
+        # the parameters after the positional arguments, in order: the kernel's full argument list is
+        # the call's positional arguments, then these
         names = self._fn.arg_names[len(args):]
+        if any(n in self._runtime for n in kwargs):
+            return None  # a runtime argument by keyword: its value is not part of the key, never cached
         compiled = Compiled(kernel, tuple(kwargs[n] if n in kwargs else self._defaults[n] for n in names), device)
         self._cache[key] = compiled
         return compiled

@@ -23,8 +23,10 @@ from torch import Tensor
 
 from pd_ssm.kernels._checks import check_last_dim_contiguous, check_shape
 from pd_ssm.kernels._device import on_device
+from pd_ssm.kernels._grid import cdiv, pow2
 from pd_ssm.kernels.conv1d import _check_conv_args
 from pd_ssm.kernels.conv1d_triton_update import default_update_tile, launch_conv_update
+from pd_ssm.kernels.launch import FastKernel
 from pd_ssm.kernels.mixer_decode import check_mixer_decode_args
 from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 from pd_ssm.kernels.rmsnorm import GatedSquares
@@ -153,6 +155,9 @@ def default_config(batch: int, headdim: int, dstate: int, state_dtype: torch.dty
     return cfg if batch < 32 else cfg._replace(num_warps=2)
 
 
+_GATED_SSU = FastKernel(_gated_ssu_kernel)
+
+
 def launch_decode_step(
     proj: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_bias: Tensor | None, ssm_state: Tensor, A: Tensor,
     D: Tensor | None, dt_bias: Tensor | None, norm_weight: Tensor, state_indices: Tensor, ngroups: int,
@@ -162,7 +167,7 @@ def launch_decode_step(
     caller (the benchmark sweeps it); arguments already checked."""
     Bt, H, P, N = proj.shape[0], ssm_state.shape[1], ssm_state.shape[2], ssm_state.shape[3]
     d_inner, conv_dim = H * P, conv_weight.shape[0]
-    p_tiles = triton.cdiv(P, cfg.block_p)
+    p_tiles = cdiv(P, cfg.block_p)
     g = torch.empty((Bt, d_inner), dtype=proj.dtype, device=proj.device)  # [B, d_inner]
     sq = torch.empty((Bt, H * p_tiles), dtype=torch.float32, device=proj.device)  # [B, K]
     if Bt == 0:
@@ -175,14 +180,14 @@ def launch_decode_step(
                                  state_indices, "silu", default_update_tile(Bt))  # [B, conv_dim]: x | B | C
     pdl = use_pdl(proj)
     with on_device(proj):
-        _gated_ssu_kernel[(p_tiles, H, Bt)](
+        _GATED_SSU[(p_tiles, H, Bt)](
             proj, xbc, ssm_state, A.contiguous(),
             None if D is None else D.contiguous(), None if dt_bias is None else dt_bias.contiguous(),
             norm_weight.contiguous(), state_indices.contiguous(), g, sq,
             P, N, H // ngroups, d_inner, conv_dim, ngroups * N,
             proj.stride(0), xbc.stride(0), ssm_state.stride(0), ssm_state.stride(1), g.stride(0), sq.stride(0),
             HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, BLOCK_P=cfg.block_p,
-            BLOCK_N=triton.next_power_of_2(N), PDL=pdl, ZDT_LATE=zdt_late, num_warps=cfg.num_warps,
+            BLOCK_N=pow2(N), PDL=pdl, ZDT_LATE=zdt_late, num_warps=cfg.num_warps,
             **launch_options(pdl),
         )
     return GatedSquares(g, sq)

@@ -22,6 +22,8 @@ from pd_ssm.kernels._checks import (
     check_same_device,
 )
 from pd_ssm.kernels._device import on_device
+from pd_ssm.kernels._grid import cdiv, pow2
+from pd_ssm.kernels.launch import FastKernel
 from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 from pd_ssm.kernels.rmsnorm import (
     AddNormOutput,
@@ -108,6 +110,9 @@ def _rms_norm_kernel(
             _scale_store(h, r, w_grp, out_row, c * BLOCK + offs, ok, WEIGHT_FP32)
 
 
+_RMS_NORM = FastKernel(_rms_norm_kernel)
+
+
 def _launch(x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, group_size: int,
             weight_in_fp32: bool, sq: Tensor | None = None) -> Tensor:
     """sq [T] fp32 given: the deferred form (one group per row, sums of squares to sq, no scale)."""
@@ -115,16 +120,16 @@ def _launch(x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, group_si
     out = torch.empty((T, d), dtype=x.dtype, device=x.device)  # [T, d]
     if T == 0:
         return out
-    block = min(triton.next_power_of_2(group_size), MAX_BLOCK)
+    block = min(pow2(group_size), MAX_BLOCK)
     pdl = use_pdl(x)
     with on_device(x):
-        _rms_norm_kernel[(T, d // group_size)](
+        _RMS_NORM[(T, d // group_size)](
             # NOTE: x stands in for no gate and out for no sq, unread / unwritten
             x, x if gate is None else gate, weight.contiguous(), out, out if sq is None else sq,
             group_size, float(eps),
             x.stride(0), x.stride(0) if gate is None else gate.stride(0), out.stride(0),
             GATED=gate is not None, WEIGHT_FP32=weight_in_fp32, DEFER=sq is not None, BLOCK=block,
-            NUM_CHUNKS=triton.cdiv(group_size, block), PDL=pdl, num_warps=min(16, max(1, block // 512)),
+            NUM_CHUNKS=cdiv(group_size, block), PDL=pdl, num_warps=min(16, max(1, block // 512)),
             **launch_options(pdl),
         )
     return out
@@ -233,6 +238,9 @@ def _add_rms_norm_kernel(
             _scale_store(h, r, w_ptr, out_row, c * BLOCK + offs, ok, WEIGHT_FP32)
 
 
+_ADD_RMS_NORM = FastKernel(_add_rms_norm_kernel)
+
+
 def add_rms_norm_triton(x: Tensor | None, residual: Tensor, weight: Tensor, eps: float, *,
                         residual_dtype: torch.dtype, weight_in_fp32: bool = False,
                         x_rms: RowRms | None = None) -> AddNormOutput:
@@ -250,11 +258,11 @@ def add_rms_norm_triton(x: Tensor | None, residual: Tensor, weight: Tensor, eps:
     res_out = torch.empty((T, d), dtype=residual_dtype, device=residual.device)  # [T, d]
     if T == 0:
         return AddNormOutput(out, res_out)
-    block = min(triton.next_power_of_2(d), MAX_BLOCK)
+    block = min(pow2(d), MAX_BLOCK)
     pdl = use_pdl(residual)
     num_warps = min(16, max(1, block // 512))
     with on_device(residual):
-        _add_rms_norm_kernel[(T,)](
+        _ADD_RMS_NORM[(T,)](
             # NOTE: no x (no x_rms): residual (out) stands in, unread
             residual if x is None else x, residual, weight.contiguous(), out, res_out,
             out if x_rms is None else x_rms.sq,
@@ -263,8 +271,8 @@ def add_rms_norm_triton(x: Tensor | None, residual: Tensor, weight: Tensor, eps:
             residual.stride(0) if x is None else x.stride(0), residual.stride(0), out.stride(0),
             res_out.stride(0), 0 if x_rms is None else x_rms.sq.stride(0),
             HAS_X=x is not None, HAS_X_RMS=x_rms is not None, WEIGHT_FP32=weight_in_fp32, BLOCK=block,
-            NUM_CHUNKS=triton.cdiv(d, block),
-            BLOCK_SQ=1 if x_rms is None else triton.next_power_of_2(x_rms.sq.shape[1]),
+            NUM_CHUNKS=cdiv(d, block),
+            BLOCK_SQ=1 if x_rms is None else pow2(x_rms.sq.shape[1]),
             PDL=pdl, num_warps=num_warps, **launch_options(pdl),
         )
     return AddNormOutput(out, res_out)

@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pd_ssm.kernels._grid import cdiv, pow2
+from pd_ssm.kernels.launch import FastKernel
 from pd_ssm.kernels.linear import linear_ref
 from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 
@@ -187,6 +189,11 @@ def _split_reduce_kernel(
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+_SKINNY_FMA = FastKernel(_skinny_fma_kernel)
+_SKINNY_DOT = FastKernel(_skinny_dot_kernel)
+_SPLIT_REDUCE = FastKernel(_split_reduce_kernel)
+
+
 def skinny_linear_triton(
     x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tile: LinearTile | None = None
 ) -> Tensor:
@@ -214,19 +221,19 @@ def skinny_linear_triton(
         if t.prefetch_k % t.block_k or t.prefetch_k & (t.prefetch_k - 1):
             raise ValueError(f"skinny_linear: prefetch_k must be 0 or a power of two multiple of block_k "
                              f"({t.block_k}), got {t.prefetch_k}")
-        _skinny_fma_kernel[(triton.cdiv(N, t.block_n), M)](
+        _SKINNY_FMA[(cdiv(N, t.block_n), M)](
             x, weight, bias, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, BLOCK_N=t.block_n, BLOCK_K=t.block_k, NUM_STAGES=t.num_stages,
             PDL=pdl, PRE_K=t.prefetch_k, num_warps=t.num_warps, **launch_options(pdl),
         )
     else:
         t = tile or DOT_TILE
-        block_m = min(64, max(16, triton.next_power_of_2(M)))
+        block_m = min(64, max(16, pow2(M)))
         split = max(1, t.split_k)
-        k_per_split = triton.cdiv(triton.cdiv(K, split), t.block_k) * t.block_k
+        k_per_split = cdiv(cdiv(K, split), t.block_k) * t.block_k
         # NOTE: fp32 partials [split, M, N]: a second launch sums them in a fixed order
         out = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-        _skinny_dot_kernel[(triton.cdiv(N, t.block_n), triton.cdiv(M, block_m), split)](
+        _SKINNY_DOT[(cdiv(N, t.block_n), cdiv(M, block_m), split)](
             x, weight, bias, out, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
             K_PER_SPLIT=k_per_split, SPLIT=split, NUM_STAGES=t.num_stages, INTERPRETED=interpreted,
@@ -234,7 +241,7 @@ def skinny_linear_triton(
         )
         if split > 1:
             block = 1024
-            _split_reduce_kernel[(triton.cdiv(M * N, block),)](
+            _SPLIT_REDUCE[(cdiv(M * N, block),)](
                 out, bias, y, M, N, y.stride(0), HAS_BIAS=bias is not None, SPLIT=split, BLOCK=block, num_warps=4,
             )
     return y

@@ -14,21 +14,13 @@ from typing import Any, NamedTuple
 import torch
 import triton.language as tl
 
+from pd_ssm.kernels._grid import cdiv, pow2
 from pd_ssm.kernels.ssd import NO_DT_LIMIT
 from pd_ssm.kernels.ssd_config import SSDConfig
 
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # shared memory for the serial state kernel's fetched-ahead tiles (the H200 gives a program 227 KB)
 _SERIAL_TILE_BUDGET = 128 * 1024
-
-
-def pow2(n: int) -> int:
-    """The least power of two >= n (triton.next_power_of_2 without its constexpr-function call)."""
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def max_logical_chunks(num_tokens: int, num_seqs: int, chunk_size: int) -> int:

@@ -23,6 +23,8 @@ import triton.language as tl
 from torch import Tensor
 
 from pd_ssm.kernels._device import on_device
+from pd_ssm.kernels._grid import cdiv, pow2
+from pd_ssm.kernels.launch import FastKernel
 from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 from pd_ssm.kernels.ssd import NO_DT_LIMIT
 from pd_ssm.kernels.ssu import check_ssu_args
@@ -39,8 +41,8 @@ def default_config(headdim: int, dstate: int, state_dtype: torch.dtype) -> SSUCo
     """About 8 KB of state per program, at most the whole head, slot-major grid. On an H200 (fp32
     state, Mamba2-2.7B) tiles of 8-32 rows were within 1% of each other; the slot-major grid gained
     about 5% and the eviction hint nothing (benchmarks/NOTES_small_kernels.md)."""
-    rows = max(1, 8192 // (triton.next_power_of_2(dstate) * state_dtype.itemsize))
-    return SSUConfig(block_p=min(triton.next_power_of_2(headdim), rows), num_warps=4)
+    rows = max(1, 8192 // (pow2(dstate) * state_dtype.itemsize))
+    return SSUConfig(block_p=min(pow2(headdim), rows), num_warps=4)
 
 
 @triton.jit
@@ -155,6 +157,9 @@ def selective_state_update_triton(
     return launch_ssu(ssm_state, x, dt, A, B, C, state_indices, D, dt_bias, dt_softplus, dt_limit, cfg)
 
 
+_SSU = FastKernel(_ssu_kernel)
+
+
 def launch_ssu(
     ssm_state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, state_indices: Tensor,
     D: Tensor | None, dt_bias: Tensor | None, dt_softplus: bool, dt_limit: Sequence[float], cfg: SSUConfig,
@@ -169,9 +174,9 @@ def launch_ssu(
     lo, hi = float(dt_limit[0]), float(dt_limit[1])
     pdl = use_pdl(x)
     with on_device(x):
-        p_tiles = triton.cdiv(P, cfg.block_p)
+        p_tiles = cdiv(P, cfg.block_p)
         grid = (p_tiles, H, Bt) if cfg.slot_major else (p_tiles, Bt, H)
-        _ssu_kernel[grid](
+        _SSU[grid](
             ssm_state, x, dt, A.contiguous(), B, C,
             None if D is None else D.contiguous(), None if dt_bias is None else dt_bias.contiguous(),
             state_indices.contiguous(), out,
@@ -182,6 +187,6 @@ def launch_ssu(
             HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
             HAS_DT_LIMIT=(lo, hi) != NO_DT_LIMIT, SLOT_MAJOR=cfg.slot_major,
             EVICT="evict_first" if cfg.evict_first else "", BLOCK_P=cfg.block_p,
-            BLOCK_N=triton.next_power_of_2(N), PDL=pdl, num_warps=cfg.num_warps, **launch_options(pdl),
+            BLOCK_N=pow2(N), PDL=pdl, num_warps=cfg.num_warps, **launch_options(pdl),
         )
     return out

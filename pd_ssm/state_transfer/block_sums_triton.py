@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pd_ssm.kernels.launch import FastKernel
+
 _WORDS = 16384  # int32 words per 64 KiB block (nccl_checksum.BLOCK)
 _CHUNK = 1024  # words loaded at a time
 
@@ -34,6 +36,9 @@ def _block_sums_kernel(
     tl.store(out_ptr + block, tl.sum(acc, axis=0))
     if COPY_THEIRS:  # the received trailer's sum of this block, beside ours: one copy to the host
         tl.store(out_ptr + blocks + block, tl.load(theirs_ptr + block))
+
+
+_BLOCK_SUMS = FastKernel(_block_sums_kernel)
 
 
 def block_sums_triton(
@@ -57,7 +62,7 @@ def block_sums_triton(
         theirs = theirs[: 8 * blocks].view(torch.int64)  # NOTE: 8-aligned: the trailer starts at a block
     # NOTE: Triton launches on the current CUDA device, which need not be the buffer's
     with torch.cuda.device(buf.device) if buf.is_cuda else nullcontext():
-        _block_sums_kernel[(blocks,)](
+        _BLOCK_SUMS[(blocks,)](
             buf.view(torch.int32), out, out if theirs is None else theirs, blocks,
             WORDS=_WORDS, CHUNK=_CHUNK, COPY_THEIRS=theirs is not None, num_warps=4,
         )

@@ -33,6 +33,18 @@ def _scaled_add_kernel(x_ptr, y_ptr, out_ptr, a, n, stride, BLOCK: tl.constexpr,
 SCALED_ADD = FastKernel(_scaled_add_kernel)
 
 
+@triton.jit
+def _strided_copy_kernel(src_ptr, WIDTH: tl.constexpr, dst_ptr, rows, SCALE: tl.constexpr, stride=1):
+    # a constexpr between runtime parameters (passed by position), and a runtime one with a default
+    r = tl.program_id(0)
+    offs = tl.arange(0, WIDTH)
+    if r < rows:
+        tl.store(dst_ptr + r * WIDTH + offs, SCALE * tl.load(src_ptr + r * stride * WIDTH + offs))
+
+
+STRIDED_COPY = FastKernel(_strided_copy_kernel)
+
+
 def scaled_add(x: torch.Tensor, y: torch.Tensor, a: float, stride: int, block: int = 64, **kw: bool) -> torch.Tensor:
     n = (x.numel() + stride - 1) // stride
     out = torch.empty(n, dtype=x.dtype, device=x.device)
@@ -81,6 +93,26 @@ def test_direct_launches_are_captured_by_cuda_graphs() -> None:
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, 2.0 * x + y, rtol=0, atol=1e-6)
+
+
+@needs_cuda
+def test_positional_constexprs_and_keyword_runtime_arguments() -> None:
+    g = torch.Generator(device="cuda").manual_seed(5)
+    src = torch.randn(12, 32, device="cuda", generator=g)
+    STRIDED_COPY._cache.clear()
+    for _ in range(3):  # compiled, then cached, then direct
+        for width in (16, 32):  # a positional constexpr: its own kernel per value
+            for scale in (1.0, 2.0):
+                dst = torch.full((12, width), float("nan"), device="cuda")
+                STRIDED_COPY[(12,)](src[:, :width].contiguous(), width, dst, 12, SCALE=scale)
+                torch.testing.assert_close(dst, scale * src[:, :width], rtol=0, atol=0)
+    assert len(STRIDED_COPY._cache) == 4
+    # a runtime argument by keyword: launched through Triton every time, never cached
+    dst = torch.full((6, 32), float("nan"), device="cuda")
+    for _ in range(3):
+        STRIDED_COPY[(6,)](src, 32, dst, 6, SCALE=1.0, stride=2)
+        torch.testing.assert_close(dst, src[::2], rtol=0, atol=0)
+    assert len(STRIDED_COPY._cache) == 4
 
 
 def test_interpreted_or_unknown_layouts_go_through_triton() -> None:
