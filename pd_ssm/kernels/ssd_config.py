@@ -51,7 +51,8 @@ class SSDConfig:
     # the layout allows it (`ssd_triton._tma_readable`) and the batch has at least scan_tma_min_tokens
     # tokens; else the pointer loads. 2-6% faster at 1x32768, 16x1024 and 1x8192 on the H200, same
     # results; but the descriptors cost the host ~40 us a launch, which a short eager scan (1x2048:
-    # 0.14 -> 0.18 ms) does not hide (benchmarks/RESULTS.md, session 11)
+    # 0.14 -> 0.18 ms) does not hide (benchmarks/RESULTS.md, session 11; measured before the
+    # launcher kept plans per signature and built descriptors without their checks, session 17)
     scan_tma: bool = True
     scan_tma_min_tokens: int = 4096
     state_tma: bool = True  # the same for the chunk-state kernel's x and B tiles (same threshold): 1-3% more
