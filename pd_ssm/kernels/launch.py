@@ -1,5 +1,6 @@
 """Triton launches with less host time, for kernels launched eagerly many times with the same
-argument signature (the SSD scan's four to six launches a call).
+argument signature: every launcher in pd_ssm/kernels (eager prefill and mixed steps launch ~11
+kernels a layer; benchmarks/RESULTS.md, sessions 16-17).
 
 Triton's `fn[grid](...)` binds every argument into a dict, specializes each, builds and looks up a
 cache key (with `str()` of the options), checks the kernel's globals, then launches. On the lent
@@ -13,9 +14,9 @@ object, which the signature needs, exists only after it.) The signature is Trito
 specialization of each runtime argument (`native_specialize_impl`: a tensor's dtype and 16-byte
 alignment, an int's width and whether it is 1 or a multiple of 16, a descriptor's dtype and block),
 plus the constexprs and launch options by value and the device. So a compiled kernel is reused
-exactly where Triton itself would reuse it. Runtime arguments go positionally and constexprs by
-keyword, as in every launcher here. Under TRITON_INTERPRET=1 every call goes through the
-interpreter unchanged.
+exactly where Triton itself would reuse it. Runtime arguments go positionally; constexprs by
+keyword, or by position (keyed by value). A call that passes a runtime argument by keyword always
+goes through Triton. Under TRITON_INTERPRET=1 every call goes through the interpreter unchanged.
 
 Computing that signature costs ~0.7 us an argument (a C call per argument), ~20 us for the SSD
 scan's 27-argument launch. A caller that knows two calls share a signature (the SSD launcher keys
@@ -73,7 +74,8 @@ class FastKernel:
         self._runtime = frozenset(p.name for p in fn.params if not p.is_constexpr)
 
     def __getitem__(self, grid: Sequence[int]) -> Callable[..., object]:
-        if not self._specialize or not FastKernel.enabled:  # interpreted, or a kernel the direct path does not know
+        # interpreted, a kernel the direct path does not know, or switched off
+        if not self._specialize or not FastKernel.enabled:
             return self._fn[grid]  # type: ignore[no-any-return]
         return lambda *args, **kwargs: self._launch(tuple(grid), args, kwargs)
 
