@@ -78,3 +78,39 @@ def test_low_chunk_states_take_their_own_allocation() -> None:
     cfg = SSDConfig(chunk_states_low=True, state_serial=False)
     plan = plan_scan(shape([2048]), cfg, False)
     assert plan.low_states == plan.K * H * P * N and plan.work_sizes[2] == 0
+
+
+def _scan_args(T: int, *, offset: int = 0) -> tuple[tuple[torch.Tensor, ...], dict[str, object]]:
+    """A 1 x T bf16 scan's arguments on the CPU, x `offset` elements into its buffer."""
+    g = torch.Generator().manual_seed(T + offset)
+    h, p, n = 4, 16, 16
+    x = torch.randn(T * h * p + offset, generator=g).to(torch.bfloat16)[offset:].view(T, h, p)
+    B, C = (torch.randn(T, 1, n, generator=g).to(torch.bfloat16) for _ in range(2))
+    dt = torch.randn(T, h, generator=g).to(torch.bfloat16)
+    kw: dict[str, object] = dict(
+        cu_seqlens=torch.tensor([0, T], dtype=torch.int32), context_lens=torch.zeros(1, dtype=torch.int32),
+        ssm_state=torch.randn(2, h, p, n, generator=g), state_indices=torch.ones(1, dtype=torch.int32),
+        has_initial_state=torch.tensor([False]), D=None, dt_bias=None, dt_softplus=True, dt_limit=NO_DT_LIMIT,
+        return_boundary_states=False, config=None)
+    return (x, dt, -torch.rand(h, generator=g), B, C, 16), kw
+
+
+def test_plans_are_kept_per_signature_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pd_ssm.kernels import ssd_triton
+
+    checks: list[int] = []
+    check = ssd_triton._check_scan_args
+    monkeypatch.setattr(ssd_triton, "_check_scan_args", lambda *a: checks.append(1) or check(*a))
+    monkeypatch.setattr(ssd_triton, "_scan", lambda prepared, *a: prepared.plan)  # plans only, no kernels
+    monkeypatch.setattr(ssd_triton, "_PLANS", {})
+    monkeypatch.setattr(ssd_triton, "_MAX_PLANS", 2)
+    args, kw = _scan_args(40)
+    first = ssd_triton.ssd_scan_with_config(*args, **kw)  # type: ignore[arg-type]
+    again = ssd_triton.ssd_scan_with_config(*_scan_args(40)[0], **kw)  # type: ignore[arg-type]
+    assert again is first and len(checks) == 1  # new tensors, same signature: no checks, no new plan
+    misaligned = ssd_triton.ssd_scan_with_config(*_scan_args(40, offset=1)[0], **kw)  # type: ignore[arg-type]
+    assert misaligned is not first and len(checks) == 2  # x one element into its buffer: not 16-byte aligned
+    ssd_triton.ssd_scan_with_config(*_scan_args(48)[0], **kw)  # type: ignore[arg-type]
+    assert len(ssd_triton._PLANS) <= 2 and len(checks) == 3  # the table was full: cleared, then this plan
+    with pytest.raises(ValueError, match="dt"):  # a bad argument is a new signature: checked
+        ssd_triton.ssd_scan_with_config(*args[:1], args[1][:, :2], *args[2:], **kw)  # type: ignore[arg-type]
