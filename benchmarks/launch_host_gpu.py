@@ -7,7 +7,7 @@ within a call: only an interleaved A/B in one process says anything).
         python3 benchmarks/launch_host_gpu.py                                   # on the GPU machine
 
 Per case (LAUNCH_CASES) and config (LAUNCH_CONFIGS: "default" = default_config for the batch,
-"large" = the large-batch config at any size), rounds of: host µs a call (ssd_host_gpu.host_us),
+"large" = the large-batch config at any size, either with "+field=int" overrides), rounds of: host µs a call (ssd_host_gpu.host_us),
 eager do_bench ms, for "old" (when given) and "new"; mamba_ssm's eager ms once a round; the
 CUDA-graph replay once per config (device time). $OUT/launch_host.json, a summary printed.
 """
@@ -53,8 +53,10 @@ def main() -> None:
                                                                  "fresh")
         sets = sw.rotating(lengths, mode)
         for cname in os.environ.get("LAUNCH_CONFIGS", "default,large").split(","):
-            cfg = default_config(torch.bfloat16, LARGE_BATCH_TOKENS if cname == "large" else sum(lengths))
-            cfg = replace(cfg)  # an equal config, not the module's object
+            # "default" / "large", then any "+field=int" overrides (e.g. "default+scan_tma_min_tokens=0")
+            base, *over = cname.split("+")
+            cfg = default_config(torch.bfloat16, LARGE_BATCH_TOKENS if base == "large" else sum(lengths))
+            cfg = replace(cfg, **{k: int(v) for k, v in (o.split("=") for o in over)})  # never the module's object
             row: dict[str, Any] = {n: dict(host_us=[], eager_ms=[]) for n in launchers}
             row["mamba_ssm"] = dict(eager_ms=[])
             for _ in range(int(os.environ.get("LAUNCH_ROUNDS", "5"))):
