@@ -12,15 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pd_ssm.bench.engine import (
-    MAMBA2_2_7B,
-    BenchRow,
-    ModelBytes,
-    decode_floor_bytes,
-    format_table,
-    model_bytes,
-    prefill_floor,
-)
+from pd_ssm.bench.engine import MAMBA2_2_7B, BenchRow, format_table
+from pd_ssm.bench.roofline import ModelBytes, decode_floor_bytes, model_bytes, prefill_floor
 from pd_ssm.config import CacheConfig, ModelConfig
 from pd_ssm.engine.memory_plan import state_slot_bytes
 from pd_ssm.kernels.dispatch import get_kernels
