@@ -1,9 +1,9 @@
 """CUDA graphs for prefill-only steps: one captured forward per (token bucket, sequence bucket).
 
 Why: eagerly, a prefill step launches about eleven kernels per layer, and at 64 layers the host
-takes longer to launch them (31-34 ms for 2048 tokens of Mamba2-2.7B on an H200 host with direct
-launches, 55-57 ms before them: benchmarks/RESULTS.md, session 17) than the GPU takes to run them
-(about 26 ms).  Every kernel of the prefill path sizes its grid from shapes
+takes longer to launch them (about 31 ms for 2048 tokens of Mamba2-2.7B on an H200 host with direct
+launches, about 40 ms through Triton's own launch path: benchmarks/RESULTS.md, session 17) than the
+GPU takes to run them (about 26 ms).  Every kernel of the prefill path sizes its grid from shapes
 alone and never reads a device value on the host (the SSD scan bounds its logical chunks by
 `max_logical_chunks(T, S, Q)`; the conv and attention kernels search `cu_seqlens` on the device),
 so a whole prefill forward can be captured once per shape and replayed.  A prefill worker's steps
