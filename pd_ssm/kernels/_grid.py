@@ -9,7 +9,8 @@ from __future__ import annotations
 
 
 def pow2(n: int) -> int:
-    """The least power of two >= n (1 for n <= 1), as triton.next_power_of_2."""
+    """The least power of two >= n: triton.next_power_of_2, except 1 (not 0) for n = 0, a block
+    size every tl.arange takes."""
     return 1 << max(n - 1, 0).bit_length()
 
 
