@@ -8,7 +8,7 @@ norm weights) are perturbed so that no code path is tested on a trivial value.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,25 @@ torch.set_num_threads(min(4, os.cpu_count() or 1))
 # kernel is decorated, so it must be set before any pd_ssm Triton module is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def verify_direct_launches() -> Iterator[None]:
+    """On a GPU, every launch whose caller hands FastKernel a compiled kernel (the SSD launcher's
+    plans) is checked against Triton's own specialization of its arguments (FastKernel.verify):
+    a wrong kernel would raise, not run. Without CUDA every launch is interpreted."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    try:
+        from pd_ssm.kernels.launch import FastKernel
+    except ImportError:  # no Triton: no Triton launches to check
+        yield
+        return
+    FastKernel.verify = True
+    yield
+    FastKernel.verify = False
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
