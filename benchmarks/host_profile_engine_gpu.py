@@ -19,29 +19,23 @@ import json
 import os
 import pstats
 import statistics
-import tempfile
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from pd_ssm.bench.engine import MAMBA2_2_7B
-from pd_ssm.config import CacheConfig, EngineConfig, SchedulerConfig
-from pd_ssm.engine.engine import Engine
-from pd_ssm.kernels.launch import FastKernel
-from pd_ssm.sampling_params import SamplingParams
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_engine_gpu import eager_engine_2_7b  # noqa: E402
+
+from pd_ssm.kernels.launch import FastKernel  # noqa: E402
+from pd_ssm.sampling_params import SamplingParams  # noqa: E402
 
 
 def main() -> None:
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(MAMBA2_2_7B))
-        engine = Engine(EngineConfig(
-            model=tmp, device="cuda", dtype="bfloat16", load_format="dummy", enforce_eager=True,
-            cache=CacheConfig(mamba_ssm_cache_dtype="float32"),  # type: ignore[arg-type]
-            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048),
-        ))
+    engine = eager_engine_2_7b(max_num_seqs=8)
     gen = torch.Generator().manual_seed(0)
     vocab = engine.model_config.vocab_size
     text: list[str] = []

@@ -41,6 +41,17 @@ def kernel_table(prof: Any, steps: int) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
+def eager_engine_2_7b(max_num_seqs: int) -> Engine:
+    """An eager CUDA engine of the Mamba2-2.7B shape: dummy bf16 weights, fp32 state, 2048-token steps."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(MAMBA2_2_7B))
+        return Engine(EngineConfig(
+            model=tmp, device="cuda", dtype="bfloat16", load_format="dummy", enforce_eager=True,
+            cache=CacheConfig(mamba_ssm_cache_dtype="float32"),  # type: ignore[arg-type]
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048),
+        ))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
@@ -48,13 +59,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(MAMBA2_2_7B))
-        engine = Engine(EngineConfig(
-            model=tmp, device="cuda", dtype="bfloat16", load_format="dummy", enforce_eager=True,
-            cache=CacheConfig(mamba_ssm_cache_dtype="float32"),  # type: ignore[arg-type]
-            scheduler=SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=2048),
-        ))
+    engine = eager_engine_2_7b(max_num_seqs=128)
     gen = torch.Generator().manual_seed(0)
     vocab = engine.model_config.vocab_size
     report: dict[str, Any] = {}
