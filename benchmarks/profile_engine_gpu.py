@@ -41,12 +41,13 @@ def kernel_table(prof: Any, steps: int) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
-def eager_engine_2_7b(max_num_seqs: int) -> Engine:
-    """An eager CUDA engine of the Mamba2-2.7B shape: dummy bf16 weights, fp32 state, 2048-token steps."""
+def eager_engine_2_7b(max_num_seqs: int, *, enforce_eager: bool = True) -> Engine:
+    """A CUDA engine of the Mamba2-2.7B shape: dummy bf16 weights, fp32 state, 2048-token steps;
+    eager unless enforce_eager is False (decode steps then replay CUDA graphs)."""
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(MAMBA2_2_7B))
         return Engine(EngineConfig(
-            model=tmp, device="cuda", dtype="bfloat16", load_format="dummy", enforce_eager=True,
+            model=tmp, device="cuda", dtype="bfloat16", load_format="dummy", enforce_eager=enforce_eager,
             cache=CacheConfig(mamba_ssm_cache_dtype="float32"),  # type: ignore[arg-type]
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048),
         ))

@@ -29,6 +29,7 @@ from pd_ssm.kernels.attention import (
 from pd_ssm.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from pd_ssm.kernels.linear import linear_ref
 from pd_ssm.kernels.mixer_decode import in_proj_conv_ref, mamba2_decode_step_ref
+from pd_ssm.kernels.pending_norm import PendingNorm, out_proj_add_ref, pending_norm_ref
 from pd_ssm.kernels.rmsnorm import (
     AddNormOutput,
     GatedSquares,
@@ -61,6 +62,8 @@ class Kernels:
     rms_norm_gated_squares: Callable[..., GatedSquares]
     mamba2_decode_step: Callable[..., GatedSquares]
     in_proj_conv: Callable[..., tuple[Tensor, Tensor]]
+    out_proj_add: Callable[..., tuple[Tensor, PendingNorm]]
+    pending_norm: Callable[[Tensor, Tensor], bool]  # whether to call out_proj_add (pending_norm.py)
     add_rms_norm: Callable[..., AddNormOutput]
     write_kv_cache: Callable[..., None]
     varlen_prefill_attention: Callable[..., Tensor]
@@ -80,6 +83,8 @@ _TORCH_KERNELS: Mapping[str, Callable[..., Any]] = MappingProxyType({
     "rms_norm_gated_squares": rms_norm_gated_squares_ref,
     "mamba2_decode_step": mamba2_decode_step_ref,
     "in_proj_conv": in_proj_conv_ref,
+    "out_proj_add": out_proj_add_ref,
+    "pending_norm": pending_norm_ref,
     "add_rms_norm": add_rms_norm_ref,
     "write_kv_cache": write_kv_cache_ref,
     "varlen_prefill_attention": varlen_prefill_attention_ref,
@@ -95,6 +100,7 @@ def _triton_kernels() -> dict[str, Callable[..., Any]]:
     from pd_ssm.kernels.in_proj_conv_triton import in_proj_conv_triton
     from pd_ssm.kernels.kv_write_triton import write_kv_cache_triton
     from pd_ssm.kernels.mixer_decode_triton import mamba2_decode_step_triton
+    from pd_ssm.kernels.out_proj_add_triton import out_proj_add_triton, pending_norm_triton
     from pd_ssm.kernels.rmsnorm_triton import (
         add_rms_norm_triton,
         rms_norm_gated_squares_triton,
@@ -115,6 +121,8 @@ def _triton_kernels() -> dict[str, Callable[..., Any]]:
         "rms_norm_gated_squares": rms_norm_gated_squares_triton,
         "mamba2_decode_step": mamba2_decode_step_triton,
         "in_proj_conv": in_proj_conv_triton,
+        "out_proj_add": out_proj_add_triton,
+        "pending_norm": pending_norm_triton,
         "add_rms_norm": add_rms_norm_triton,
         "write_kv_cache": write_kv_cache_triton,
         "varlen_prefill_attention": varlen_prefill_attention_triton,
@@ -178,6 +186,8 @@ rms_norm_gated = _routed("rms_norm_gated", rms_norm_gated_ref)
 rms_norm_gated_squares = _routed("rms_norm_gated_squares", rms_norm_gated_squares_ref)
 mamba2_decode_step = _routed("mamba2_decode_step", mamba2_decode_step_ref)
 in_proj_conv = _routed("in_proj_conv", in_proj_conv_ref)
+out_proj_add = _routed("out_proj_add", out_proj_add_ref)
+pending_norm = _routed("pending_norm", pending_norm_ref)
 add_rms_norm = _routed("add_rms_norm", add_rms_norm_ref)
 write_kv_cache = _routed("write_kv_cache", write_kv_cache_ref)
 varlen_prefill_attention = _routed("varlen_prefill_attention", varlen_prefill_attention_ref)

@@ -36,6 +36,7 @@ from pd_ssm.kernels._checks import (
 )
 from pd_ssm.kernels.conv1d import causal_conv1d_update_ref
 from pd_ssm.kernels.linear import linear_ref
+from pd_ssm.kernels.pending_norm import PendingNorm, linear_pending_ref
 from pd_ssm.kernels.rmsnorm import GatedSquares, rms_norm_gated_squares_ref
 from pd_ssm.kernels.ssu import selective_state_update_ref
 
@@ -135,7 +136,7 @@ def mamba2_decode_step_ref(
 
 
 def in_proj_conv_ref(
-    hidden: Tensor,
+    hidden: Tensor | PendingNorm,
     weight: Tensor,
     bias: Tensor | None,
     conv_state: Tensor,
@@ -147,7 +148,8 @@ def in_proj_conv_ref(
 ) -> tuple[Tensor, Tensor]:
     """in_proj, then the conv update of its xBC columns, for the decode rows of a step.
 
-      hidden         [B, K]                            the block's normalized input
+      hidden         [B, K]                            the block's normalized input, or the pending
+                                                       norm whose output it is (pending_norm.py)
       weight         [N, K], bias [N] or None          in_proj (N = d_inner + conv_dim + H)
       conv_state     [num_slots, conv_dim, width-1]    pool; conv_weight [conv_dim, width]
       state_indices  [B] int32                         pool slots (negative: CUDA-graph padding)
@@ -155,7 +157,8 @@ def in_proj_conv_ref(
 
     Returns (proj [B, N], xbc [B, conv_dim]: the conv's output with SiLU); conv state in place.
     """
-    proj = linear_ref(hidden, weight, bias)
+    proj = linear_pending_ref(hidden, weight, bias) if isinstance(hidden, PendingNorm) else linear_ref(hidden, weight,
+                                                                                                    bias)
     conv_dim = conv_weight.shape[0]
     xbc = causal_conv1d_update_ref(proj[:, conv_start:conv_start + conv_dim], conv_state, conv_weight, conv_bias,
                                    state_indices=state_indices)

@@ -1,11 +1,11 @@
 """Programmatic dependent launch (PDL, Hopper and later) for the kernels of a decode step.
 
-A decode step at batch 1 is a chain of 4 launches a layer (residual norm, in_proj with the conv
-folded in, state update, out_proj), the small ones too short to fill the GPU (one program for the
-norm, a few hundred for the state update), each one waiting for the last to drain. With PDL a kernel is launched while its predecessor still runs: it
-loads what does not depend on that predecessor (weights, the state of its own slot), then waits
-in `griddepcontrol.wait` for the predecessor to finish and its writes to be visible, and only then
-reads the predecessor's output. A weight-streaming GEMV thus streams its first weight tiles while
+A decode step at batch 1 is a chain of 3 launches a layer (in_proj with the conv folded in, state
+update, out_proj with the residual add: pending_norm.py), the state update too short to fill the
+GPU (a few hundred programs), each one waiting for the last to drain. With PDL a kernel is
+launched while its predecessor still runs: it loads what does not depend on that predecessor
+(weights, the state of its own slot), then waits in `griddepcontrol.wait` for the predecessor to
+finish and its writes to be visible, and only then reads the predecessor's output. A weight-streaming GEMV thus streams its first weight tiles while
 the small kernel before it computes, and the state update loads its state while in_proj runs.
 CUDA graphs keep these programmatic edges (CUDA >= 12.3).
 

@@ -50,7 +50,9 @@ FMA_TILE = LinearTile(32, 256, 4, 3)
 # NOTE: its first 2048 weight columns are loaded before the PDL gate (pdl.py), i.e. while the
 # state update before out_proj still runs: 30.4-30.7 against 31.7-31.9 us per layer of the batch-1
 # decode chain (benchmarks/pdl_gpu.py, H200, RESULTS.md session 6); in_proj gains nothing from it
-# (its predecessor, the residual norm, is too short), and 1024 columns there left 2 programs per SM.
+# (its predecessor, the residual norm, is too short), and 1024 columns there left 2 programs per SM;
+# nor with out_proj before it (the pending norm, session 18: 256 / 512 columns 29.8 / 30.9 against
+# 28.2-28.5 us a layer, benchmarks/decode_chain_gpu.py).
 # 4-row tiles: out_proj's 2560 rows make 640 programs (8 rows: 320 on 132 SMs, 3 against 2.4 a
 # SM): 29.9 against 30.7-30.8 us per layer, bit-equal (session 7)
 FMA_TILE_NARROW = LinearTile(4, 512, 4, 4, prefetch_k=2048)  # N <= 4096
@@ -68,24 +70,31 @@ def skinny_linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> 
 
 
 @triton.jit
-def fma_gemv_row(
-    x_row, w_rows, n_ok, K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PRE_K: tl.constexpr,
+def fma_gemv_pre(w_rows, n_ok, K: tl.constexpr, PRE_K: tl.constexpr):
+    """The weights of the first PRE_K columns [BLOCK_N, PRE_K], loaded before the caller's PDL gate
+    (a placeholder where PRE_K is 0)."""
+    # NOTE: one return: Triton requires every return of a function to have one type, while a branch
+    # on a constexpr is resolved before types are checked
+    if PRE_K > 0:
+        offs_pk = tl.arange(0, PRE_K)  # [PRE_K]
+        w_pre = tl.load(w_rows + offs_pk[None, :], mask=n_ok[:, None] & (offs_pk < K)[None, :], other=0.0)
+    else:
+        w_pre = tl.zeros([1, 1], dtype=tl.float32)
+    return w_pre
+
+
+@triton.jit
+def fma_gemv_main(
+    x_row, w_pre, w_rows, n_ok, K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PRE_K: tl.constexpr,
 ):
-    """y [BLOCK_N] fp32 = W[rows] . x over K (x_row: the row's pointer, w_rows [BLOCK_N, 1] pointers).
-    The PDL gate is in here: PRE_K > 0 (a multiple of BLOCK_K) loads the weights of the first PRE_K
-    columns into registers before it, i.e. while the launch before this one (which writes x) still
-    runs (pdl.py); a caller's loads before this call go before the gate too."""
+    """y [BLOCK_N] fp32 = W[rows] . x over K, after the caller's gate: w_pre (fma_gemv_pre) covers the
+    first PRE_K columns, the loop the rest."""
     y = tl.zeros([BLOCK_N], dtype=tl.float32)
     if PRE_K > 0:
         offs_pk = tl.arange(0, PRE_K)  # [PRE_K]
-        pk_ok = offs_pk < K
-        w_pre = tl.load(w_rows + offs_pk[None, :], mask=n_ok[:, None] & pk_ok[None, :], other=0.0)  # [BLOCK_N, PRE_K]
-        pdl_gate(PDL)
-        x_pre = tl.load(x_row + offs_pk, mask=pk_ok, other=0.0)  # [PRE_K]
+        x_pre = tl.load(x_row + offs_pk, mask=offs_pk < K, other=0.0)  # [PRE_K]
         y = tl.sum(w_pre.to(tl.float32) * x_pre.to(tl.float32)[None, :], axis=1)
-    else:
-        pdl_gate(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(PRE_K, K, BLOCK_K, num_stages=NUM_STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
@@ -94,6 +103,20 @@ def fma_gemv_row(
         xv = tl.load(x_row + offs_k, mask=k_ok, other=0.0)  # [BLOCK_K]
         acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
     return y + tl.sum(acc, axis=1)  # [BLOCK_N]
+
+
+@triton.jit
+def fma_gemv_row(
+    x_row, w_rows, n_ok, K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PRE_K: tl.constexpr,
+):
+    """y [BLOCK_N] fp32 = W[rows] . x over K (x_row: the row's pointer, w_rows [BLOCK_N, 1] pointers).
+    The PDL gate is in here: PRE_K > 0 (a multiple of BLOCK_K) loads the weights of the first PRE_K
+    columns into registers before it, i.e. while the launch before this one (which writes x) still
+    runs (pdl.py); a caller's loads before this call go before the gate too."""
+    w_pre = fma_gemv_pre(w_rows, n_ok, K, PRE_K)
+    pdl_gate(PDL)
+    return fma_gemv_main(x_row, w_pre, w_rows, n_ok, K, BLOCK_N, BLOCK_K, NUM_STAGES, PRE_K)
 
 
 @triton.jit

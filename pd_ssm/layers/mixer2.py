@@ -11,7 +11,12 @@ With `defer_norm_scale` (Mamba2 blocks; ungrouped norm, no out_proj bias) a step
 DEFER_BELOW_DECODE_ROWS decode rows instead returns
 ScaledDelta(out_proj(weight * y * silu(z)), RowRms): the norm's per-row scale is applied by the
 next block's add_rms_norm, and decode rows run the state update and the gate in one kernel
-(kernels/mixer_decode.py) -- the gated norm's launch is gone.
+(kernels/mixer_decode.py) -- the gated norm's launch is gone. A step of one decode row whose
+block hands the mixer its boundary (NormBoundary: the residual stream and the next block's norm)
+goes one further where the kernels have it (`kernels.pending_norm`): out_proj's epilogue does the
+residual add and the next norm's statistics, and the next block's in_proj applies that norm's
+scale (kernels/pending_norm.py), so the mixer returns a PendingBlock and the next block's norm
+launch is gone too.
 
 Both paths read and write the states of the slots in `meta.state_indices` in place.  xBC splits
 after the conv into x [d_inner] | B [n_groups * d_state] | C [n_groups * d_state].
@@ -38,8 +43,9 @@ from pd_ssm.cache.pool import CachePool
 from pd_ssm.config import ModelConfig
 from pd_ssm.engine.forward_meta import ForwardMeta
 from pd_ssm.kernels.dispatch import Kernels
+from pd_ssm.kernels.pending_norm import PendingNorm
 from pd_ssm.kernels.rmsnorm import GatedSquares, RowRms
-from pd_ssm.layers.norm import GatedRMSNorm, ScaledDelta
+from pd_ssm.layers.norm import GatedRMSNorm, NormBoundary, PendingBlock, ScaledDelta
 
 # the decode step's dt limit: none, as in the references (module docstring)
 DECODE_DT_LIMIT = (0.0, float("inf"))
@@ -126,18 +132,37 @@ class Mamba2Mixer(nn.Module):
             C.view(n, self.n_groups, self.d_state),
         )
 
-    def forward(self, hidden: torch.Tensor, meta: ForwardMeta, cache: CachePool) -> torch.Tensor | ScaledDelta:
-        """[T, hidden] -> [T, hidden]; with `defer_norm_scale`, the output still to be scaled per row."""
+    def forward(
+        self, hidden: torch.Tensor | PendingNorm, meta: ForwardMeta, cache: CachePool,
+        boundary: NormBoundary | None = None,
+    ) -> torch.Tensor | ScaledDelta | PendingBlock:
+        """[T, hidden] -> [T, hidden]; with `defer_norm_scale`, the output still to be scaled per row,
+        or with `boundary` at one decode row the block boundary finished (module docstring). A
+        PendingNorm input comes from the previous block's PendingBlock: one decode row."""
         k = self.kernels
+        rows = (hidden.x if isinstance(hidden, PendingNorm) else hidden).shape[0]
+        one_row = meta.num_prefills == 0 and rows == 1
+        if isinstance(hidden, PendingNorm) and not (self.defer_norm_scale and one_row):
+            raise RuntimeError("a pending norm reaches only a deferred-norm mixer's one-row decode step: the block "
+                               "before chose it for this step's single decode row")
         if self.defer_norm_scale and meta.num_decodes < DEFER_BELOW_DECODE_ROWS:
-            if meta.num_prefills == 0 and hidden.shape[0] == 1:  # one decode row: the conv rides in_proj
+            if one_row:  # one decode row: the conv rides in_proj
                 gated = self._one_row_gated_squares(hidden, meta, cache)
             else:
+                assert isinstance(hidden, torch.Tensor)
                 # NOTE: through the kernels: a decode step of a few rows streams the weights faster than cuBLAS
                 proj = k.linear(hidden, self.in_proj.weight, self.in_proj.bias)  # [T, d_inner + conv_dim + nheads]
                 gated = self._gated_squares(proj, meta, cache)
+            rms = RowRms(gated.sq, self.d_inner, self.norm.eps)
+            if (boundary is not None and not boundary.next_norm.weight_in_fp32
+                    and k.pending_norm(gated.g, self.out_proj.weight)):
+                nxt = boundary.next_norm
+                residual, pending = k.out_proj_add(gated.g, self.out_proj.weight, rms, boundary.residual, nxt.weight,
+                                                   nxt.eps, residual_dtype=boundary.residual_dtype)
+                return PendingBlock(residual, pending)
             out = k.linear(gated.g, self.out_proj.weight, None)  # [T, hidden]; no bias (see __init__)
-            return ScaledDelta(out, RowRms(gated.sq, self.d_inner, self.norm.eps))
+            return ScaledDelta(out, rms)
+        assert isinstance(hidden, torch.Tensor)
         proj = k.linear(hidden, self.in_proj.weight, self.in_proj.bias)  # [T, d_inner + conv_dim + nheads]
         z = proj[:, :self.d_inner]
         nd = meta.num_decodes
@@ -150,7 +175,8 @@ class Mamba2Mixer(nn.Module):
         y = self.norm(y.reshape(proj.shape[0], self.d_inner), z)
         return k.linear(y, self.out_proj.weight, self.out_proj.bias)
 
-    def _one_row_gated_squares(self, hidden: torch.Tensor, meta: ForwardMeta, cache: CachePool) -> GatedSquares:
+    def _one_row_gated_squares(self, hidden: torch.Tensor | PendingNorm, meta: ForwardMeta,
+                               cache: CachePool) -> GatedSquares:
         """A step of one decode row: in_proj and the conv in one launch where the kernels have it
         (kernels/in_proj_conv_triton.py), then the state update and the gate."""
         k = self.kernels

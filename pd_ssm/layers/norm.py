@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pd_ssm.kernels.dispatch import Kernels
+from pd_ssm.kernels.pending_norm import PendingNorm
 from pd_ssm.kernels.rmsnorm import AddNormOutput, RowRms
 
 
@@ -22,6 +23,15 @@ class ScaledDelta(NamedTuple):
 
     out: torch.Tensor  # [T, hidden]
     rms: RowRms
+
+
+class PendingBlock(NamedTuple):
+    """A block's output with the block boundary finished by its mixer (out_proj's epilogue did the
+    residual add and the next norm's statistics, kernels/pending_norm.py): the residual stream after
+    the add, and the next block's norm input with its scale still to apply."""
+
+    residual: torch.Tensor  # [T, hidden] in the residual dtype
+    pending: PendingNorm
 
 
 class RMSNorm(nn.Module):
@@ -65,6 +75,14 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, weight_in_fp32={self.weight_in_fp32}"
+
+
+class NormBoundary(NamedTuple):
+    """What a mixer needs to finish its block's boundary itself (PendingBlock)."""
+
+    residual: torch.Tensor  # [T, hidden] the residual stream the block's output is added to
+    residual_dtype: torch.dtype
+    next_norm: RMSNorm  # the next block's pre-norm
 
 
 class GatedRMSNorm(nn.Module):

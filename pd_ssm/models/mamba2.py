@@ -6,7 +6,10 @@ stream is fp32 from the first block on and is rounded to the activation dtype on
 of each norm.  The final norm `norm_f` then sees fp32; the LM head casts to its own dtype.
 
 The model keeps the residual stream; each block takes the previous block's output (None before
-the first) and the stream, and does the residual add and its norm in one `add_rms_norm` kernel.
+the first) and the stream, and does the residual add and its norm in one `add_rms_norm` kernel --
+unless the previous block's mixer did the add itself and left this block's norm pending
+(PendingBlock, layers/mixer2.py: one decode row on the Triton kernels), which needs each block
+to know the next block's norm.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from pd_ssm.cache.pool import CachePool
 from pd_ssm.config import ModelConfig
 from pd_ssm.engine.forward_meta import ForwardMeta
 from pd_ssm.kernels.dispatch import Kernels
+from pd_ssm.kernels.pending_norm import PendingNorm
 from pd_ssm.layers import Mamba2Mixer, RMSNorm
-from pd_ssm.layers.norm import ScaledDelta
+from pd_ssm.layers.norm import NormBoundary, PendingBlock, ScaledDelta
 from pd_ssm.models.base import CausalLM
 from pd_ssm.models.weights import load_named_weights
 
@@ -39,12 +43,23 @@ class Mamba2Block(nn.Module):
         )
 
     def forward(
-        self, delta: torch.Tensor | ScaledDelta | None, residual: torch.Tensor, meta: ForwardMeta, cache: CachePool
-    ) -> tuple[torch.Tensor | ScaledDelta, torch.Tensor]:
-        """(mixer output [T, hidden], residual stream [T, hidden] including delta)."""
+        self, delta: torch.Tensor | ScaledDelta | PendingNorm | None, residual: torch.Tensor, meta: ForwardMeta,
+        cache: CachePool, next_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor | ScaledDelta | PendingNorm, torch.Tensor]:
+        """(mixer output [T, hidden], residual stream [T, hidden] including delta). A PendingNorm delta:
+        the previous block added its output to `residual` already and left this block's norm pending.
+        `next_norm` (the next block's norm) lets the mixer do the same for the next block."""
         residual_dtype = torch.float32 if self.residual_in_fp32 else residual.dtype
-        normed, residual = self.norm.add_forward(delta, residual, residual_dtype)
-        return self.mixer(normed, meta, cache), residual
+        normed: torch.Tensor | PendingNorm
+        if isinstance(delta, PendingNorm):
+            normed = delta
+        else:
+            normed, residual = self.norm.add_forward(delta, residual, residual_dtype)
+        boundary = None if next_norm is None else NormBoundary(residual, residual_dtype, next_norm)
+        out = self.mixer(normed, meta, cache, boundary)
+        if isinstance(out, PendingBlock):
+            return out.pending, out.residual
+        return out, residual
 
 
 class Mamba2Backbone(nn.Module):
@@ -67,10 +82,14 @@ class Mamba2ForCausalLM(CausalLM):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta, cache: CachePool
     ) -> torch.Tensor:
         residual = self.backbone.embeddings(input_ids)  # [T, hidden] in the activation dtype
-        delta: torch.Tensor | ScaledDelta | None = None
-        for i, layer in enumerate(self.backbone.layers):
-            delta, residual = layer(delta, residual, meta, cache)
+        delta: torch.Tensor | ScaledDelta | PendingNorm | None = None
+        layers = self.backbone.layers
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].norm if i + 1 < len(layers) else None
+            delta, residual = layer(delta, residual, meta, cache, next_norm)
             meta.layer_done(i)  # its cache pages are final: a streaming step may ship them now
+        # NOTE: the last block has no next norm, so no PendingNorm reaches norm_f
+        assert not isinstance(delta, PendingNorm)
         # NOTE: norm_f normalizes the stream in its own dtype (fp32 with residual_in_fp32, the weight
         # upcast), unlike the blocks' norms, which round it to the weight dtype first
         return self.backbone.norm_f.add_forward(delta, residual, residual.dtype, out_dtype=residual.dtype).normed

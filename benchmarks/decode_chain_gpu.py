@@ -1,0 +1,179 @@
+"""The batch-1 decode step's layer chain as the engine runs it, in one CUDA graph under PDL: the block
+boundary with its own norm launch against the boundary folded into out_proj and in_proj
+(kernels/pending_norm.py), and the in_proj GEMV's tile.
+
+Mamba2-2.7B shape (d_model 2560, 80 heads x 64, dstate 128, one group, conv width 4), bf16, fp32
+state, fp32 residual stream, one sequence, 64 layers each on its own weights and pools (5.1 GB of
+weights, far past L2). Per layer:
+
+  norm launch     add_rms_norm (residual add, the deferred gated-norm scale) -> in_proj + conv
+                  -> state update + gate -> out_proj                          (main before session 18)
+  pending norm    in_proj + conv on the pending norm -> state update + gate -> out_proj + residual add
+                  (main since session 18), and other state update and out_proj tiles
+
+µs per layer (median of 7 replays of the whole chain) and the bytes that must move (weights + state
+read and written) over that time. Each variant's last residual is compared with the first
+variant's (the pending norm rounds differently: close, not equal).
+
+    PYTHONPATH=. python3 benchmarks/decode_chain_gpu.py     (CUDA only; JSON to $OUT/decode_chain.json)
+    CHAIN_VARIANTS="norm launch,pending norm" ...            (those variants only)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.graph_timeline_gpu import attribute, kernels_of
+from benchmarks.linear_gpu import graph_time_us
+from pd_ssm.kernels.in_proj_conv_triton import in_proj_conv_triton
+from pd_ssm.kernels.mixer_decode_triton import default_config, launch_decode_step
+from pd_ssm.kernels.out_proj_add_triton import out_proj_add_triton
+from pd_ssm.kernels.pending_norm import PendingNorm
+from pd_ssm.kernels.rmsnorm import RowRms
+from pd_ssm.kernels.rmsnorm_triton import add_rms_norm_triton
+from pd_ssm.kernels.skinny_linear_triton import FMA_TILE, FMA_TILE_NARROW, LinearTile, skinny_linear_triton
+from pd_ssm.kernels.ssu_triton import SSUConfig
+
+HID, H, P, N, G, W = 2560, 80, 64, 128, 1, 4
+D_INNER, CONV_DIM = H * P, H * P + 2 * G * N
+PROJ = D_INNER + CONV_DIM + H
+EPS = 1e-5
+L = 64
+
+
+class Variant(NamedTuple):
+    name: str
+    pending: bool
+    in_tile: LinearTile = FMA_TILE
+    out_tile: LinearTile = FMA_TILE_NARROW
+    ssu: SSUConfig | None = None  # None: mixer_decode_triton.default_config
+
+
+class Chain:
+    """L layers' weights and pools; `run` is one decode step's layers."""
+
+    def __init__(self, dev: torch.device) -> None:
+        def r(*shape: int, scale: float = 1.0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+            return (torch.randn(*shape, device=dev) * scale).to(dtype)
+
+        self.w_in = [r(PROJ, HID, scale=HID ** -0.5) for _ in range(L)]
+        self.w_out = [r(HID, D_INNER, scale=D_INNER ** -0.5) for _ in range(L)]
+        self.norm_w = [1 + r(HID, scale=0.1) for _ in range(L)]
+        self.conv = [r(1, CONV_DIM, W - 1) for _ in range(L)]
+        self.ssm = [r(1, H, P, N, scale=0.1, dtype=torch.float32) for _ in range(L)]
+        self.snap = [(c.clone(), s.clone()) for c, s in zip(self.conv, self.ssm, strict=True)]
+        self.cw, self.cb = r(CONV_DIM, W, scale=0.5), r(CONV_DIM, scale=0.1)
+        self.A = -torch.rand(H, device=dev) - 0.5
+        self.D, self.dt_bias = r(H, dtype=torch.float32), r(H, scale=0.5, dtype=torch.float32)
+        self.gate_w = 1 + r(D_INNER, scale=0.1)
+        self.slots = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.residual = r(1, HID, dtype=torch.float32)
+        self.delta = r(1, HID)
+        self.sq = torch.rand(1, 4 * H, device=dev) * D_INNER / (4 * H)
+        self.cfg = default_config(1, P, N, torch.float32)
+
+    def restore(self) -> None:
+        for (c0, s0), c, s in zip(self.snap, self.conv, self.ssm, strict=True):
+            c.copy_(c0)
+            s.copy_(s0)
+
+    def run(self, v: Variant, _: int = 0) -> torch.Tensor:
+        x_rms = RowRms(self.sq, D_INNER, EPS)
+        # layer 0's norm runs as its own launch in both: the embedding has no out_proj before it
+        normed, residual = add_rms_norm_triton(self.delta, self.residual, self.norm_w[0], EPS,
+                                               residual_dtype=torch.float32, x_rms=x_rms)
+        hidden: torch.Tensor | PendingNorm = normed
+        delta = self.delta
+        for i in range(L):
+            if i and not v.pending:
+                hidden, residual = add_rms_norm_triton(delta, residual, self.norm_w[i], EPS,
+                                                       residual_dtype=torch.float32, x_rms=x_rms)
+            proj, xbc = in_proj_conv_triton(hidden, self.w_in[i], None, self.conv[i], self.cw, self.cb,
+                                            state_indices=self.slots, conv_start=D_INNER, tile=v.in_tile)
+            gs = launch_decode_step(proj, self.conv[i], self.cw, self.cb, self.ssm[i], self.A, self.D,
+                                    self.dt_bias, self.gate_w, self.slots, G, v.ssu or self.cfg, xbc)
+            x_rms = RowRms(gs.sq, D_INNER, EPS)
+            if v.pending:
+                residual, hidden = out_proj_add_triton(gs.g, self.w_out[i], x_rms, residual, self.norm_w[(i + 1) % L],
+                                                       EPS, residual_dtype=torch.float32, tile=v.out_tile)
+            else:
+                delta = skinny_linear_triton(gs.g, self.w_out[i], tile=v.out_tile)
+        # norm_f: the add and the norm, or the norm alone where out_proj did the add
+        if v.pending:
+            return add_rms_norm_triton(None, residual, self.norm_w[0], EPS, residual_dtype=torch.float32).residual
+        return add_rms_norm_triton(delta, residual, self.norm_w[0], EPS, residual_dtype=torch.float32,
+                                   x_rms=x_rms).residual
+
+
+def variants() -> list[Variant]:
+    out = [Variant("norm launch", False), Variant("pending norm", True)]
+    for bp, w in ((8, 4), (8, 2), (4, 2), (16, 2), (32, 4)):
+        out.append(Variant(f"pending norm, state update {bp} rows w{w}", True, ssu=SSUConfig(bp, w)))
+    for t in (LinearTile(4, 1024, 4, 3, prefetch_k=2048), LinearTile(8, 512, 4, 4, prefetch_k=2048),
+              LinearTile(4, 512, 4, 4, prefetch_k=1024), LinearTile(4, 512, 4, 4, prefetch_k=4096)):
+        tag = f"out_proj {t.block_n}x{t.block_k} s{t.num_stages} pre {t.prefetch_k}"
+        out.append(Variant(f"pending norm, {tag}", True, out_tile=t))
+    out += [Variant("norm launch (again)", False), Variant("pending norm (again)", True)]
+    only = os.environ.get("CHAIN_VARIANTS")  # a comma-separated subset of the names, for A/B calls
+    return out if not only else [v for v in out if v.name in only.split(",")]
+
+
+PROFILED = ("norm launch", "pending norm")
+
+
+def profile_replay(chain: Chain, v: Variant) -> list[dict[str, Any]]:
+    """Each kernel's own and attributed µs per layer in two replays of the chain's graph
+    (graph_timeline_gpu.attribute), printed."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        chain.run(v)
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            g.replay()
+        torch.cuda.synchronize()
+    rows = attribute(kernels_of(prof), 2 * L)
+    for r in rows[:6]:
+        print(f"    x{r['launches']:5.2f} own {r['own_us']:6.2f} attributed {r['attributed_us']:6.2f} idle "
+              f"{r['idle_before_us']:5.2f}  {r['kernel']}", flush=True)
+    return rows
+
+
+def main() -> None:
+    out = Path(os.environ.get("OUT", "/tmp/out"))
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    chain = Chain(dev)
+    moved = (PROJ * HID + HID * D_INNER) * 2 + 2 * H * P * N * 4  # bytes a layer: weights + state r/w
+    results: list[dict[str, Any]] = []
+    first: torch.Tensor | None = None
+    for v in variants():
+        chain.restore()
+        try:
+            got = chain.run(v).clone()
+            torch.cuda.synchronize()
+            us = graph_time_us(chain.run, v, [0]) / L
+        except Exception as e:  # noqa: BLE001 -- a variant that fails to compile or capture is reported
+            print(f"{v.name:52} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            results.append({"variant": v.name, "error": str(e)[:1000]})
+            continue
+        first = got if first is None else first
+        rel = float((got - first).norm() / first.norm())
+        row = {"variant": v.name, "us_per_layer": us, "gbps": moved / us / 1e3, "rel_diff_to_first": rel}
+        results.append(row)
+        print(f"{v.name:52} {us:7.2f} us/layer  {row['gbps']:6.0f} GB/s  residual rel diff {rel:.2e}", flush=True)
+        if v.name in PROFILED:
+            row["kernels"] = profile_replay(chain, v)
+    (out / "decode_chain.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
