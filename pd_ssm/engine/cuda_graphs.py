@@ -7,10 +7,11 @@ Sampling stays outside the graph (it syncs with the host and its shapes depend o
 
 Static inputs, the graph's only inputs (their addresses are baked into every graph):
 
-  stage         [6 * M] int64   per bucket P, six rows of P values laid end to end:
-                                input_ids, positions, slot_mapping, context_lens, seq_lens,
-                                state_indices (unpacked and cast to int32 inside the graph, so
-                                one host->device copy feeds a step)
+  stage         [9 * M] int32   per bucket P, six rows of P values laid end to end: three int64
+                                rows (input_ids, positions, slot_mapping: 6P int32 words, read
+                                through an int64 view), then three int32 rows (context_lens,
+                                seq_lens, state_indices), so one host->device copy feeds a step
+                                and the graph casts nothing (each cast was a launch of its own)
   block_tables  [M, W] int32    W = max_model_len / block_size (1 for pure SSM), padded with 0
   logits        [M, V] fp32     output: the graph copies its logits here
 
@@ -45,6 +46,7 @@ from pd_ssm.models.base import CausalLM
 # vLLM's default ceiling: beyond it a decode batch runs eagerly (launch overhead is amortized)
 MAX_CAPTURE_SIZE = 256
 _STAGE_ROWS = 6  # input_ids, positions, slot_mapping, context_lens, seq_lens, state_indices
+_STAGE_WORDS = 9  # int32 words a row of the bucket: three int64 rows, three int32 rows
 
 
 class GraphCaptureError(RuntimeError):
@@ -140,13 +142,20 @@ def pad_decode(rows: DecodeRows, size: int, *, scratch_slot: int, max_width: int
     return PaddedDecode(num_rows=b, size=size, stage=stage, tables=tables, width=width)
 
 
+def pack_stage(stage: list[int], size: int) -> torch.Tensor:
+    """The six rows of a bucket's stage (PaddedDecode.stage) as `DecodeBuffers.stage` holds them:
+    [9 * size] int32, the first three rows as int64 words, the last three as int32."""
+    wide = torch.tensor(stage[: 3 * size], dtype=torch.int64).view(torch.int32)  # [6 * size]
+    return torch.cat([wide, torch.tensor(stage[3 * size :], dtype=torch.int32)])
+
+
 class DecodeBuffers:
     """The static inputs and output of the captured steps, sized for the largest bucket M."""
 
     def __init__(self, max_size: int, width: int, vocab_size: int, device: torch.device) -> None:
         self.max_size = max_size
         self.width = width
-        self.stage = torch.zeros(_STAGE_ROWS * max_size, dtype=torch.int64, device=device)
+        self.stage = torch.zeros(_STAGE_WORDS * max_size, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_size, width, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)  # constant
         self.logits = torch.zeros(max_size, vocab_size, dtype=torch.float32, device=device)
@@ -158,7 +167,7 @@ class DecodeBuffers:
     def fill(self, padded: PaddedDecode) -> None:
         """Copy a padded batch into the buffers: one host->device copy (two with KV tables)."""
         p = padded.size
-        self.stage[: _STAGE_ROWS * p].copy_(torch.tensor(padded.stage, dtype=torch.int64), non_blocking=True)
+        self.stage[: _STAGE_WORDS * p].copy_(pack_stage(padded.stage, p), non_blocking=True)
         if padded.width:
             host = torch.tensor(padded.tables, dtype=torch.int32)  # [P, w]
             self.block_tables[:p, : padded.width].copy_(host, non_blocking=True)
@@ -168,24 +177,28 @@ class DecodeBuffers:
     def pad_with_scratch(self, size: int, scratch_slot: int) -> None:
         """Make bucket `size` all padding rows (what warm-up and capture run on: only the scratch
         slot moves).  NOTE: each bucket reads its own layout (six rows of `size`), so this is per size."""
-        rows = torch.tensor([[0], [0], [-1], [0], [1], [scratch_slot]], dtype=torch.int64)
-        self.stage[: _STAGE_ROWS * size].view(_STAGE_ROWS, size).copy_(rows.expand(_STAGE_ROWS, size).contiguous())
+        rows = [0] * size + [0] * size + [-1] * size + [0] * size + [1] * size + [scratch_slot] * size
+        self.stage[: _STAGE_WORDS * size].copy_(pack_stage(rows, size))
         self.block_tables[:size].zero_()
+
+    def input_ids(self, size: int) -> torch.Tensor:
+        """[P] int64, bucket `size`'s input ids (a view: what a token feed writes)."""
+        return self.stage[: 2 * size].view(torch.int64)
 
     def inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, ForwardMeta]:
         """(input_ids, positions, meta) of bucket `size`, derived from the buffers by device ops
         only: inside a graph they are recomputed from the buffers at every replay."""
-        v = self.stage[: _STAGE_ROWS * size].view(_STAGE_ROWS, size)
-        ids, positions, slot_mapping, ctx64, seq64, slots64 = v.unbind(0)  # [P] int64 each
-        ctx = ctx64.to(torch.int32)
+        wide = self.stage[: 6 * size].view(torch.int64).view(3, size)
+        ids, positions, slot_mapping = wide.unbind(0)  # [P] int64 each
+        ctx, seq, slots = self.stage[6 * size : _STAGE_WORDS * size].view(3, size).unbind(0)  # [P] int32 each
         meta = ForwardMeta(
             num_decodes=size,
             num_prefills=0,
             num_tokens=size,
             query_start_loc=self.query_start_loc[: size + 1],
             context_lens=ctx,
-            seq_lens=seq64.to(torch.int32),
-            state_indices=slots64.to(torch.int32),
+            seq_lens=seq,
+            state_indices=slots,
             has_initial_state=ctx > 0,
             slot_mapping=slot_mapping,
             block_tables=self.block_tables[:size],
@@ -201,7 +214,7 @@ def decode_step(model: CausalLM, pool: CachePool, buffers: DecodeBuffers, size: 
     """The captured body: one model step over bucket `size` of the buffers, logits into buffers.logits."""
     ids, positions, meta = buffers.inputs(size)
     hidden = model(ids, positions, meta, pool)  # [P, hidden]
-    buffers.logits[:size].copy_(model.compute_logits(hidden))
+    model.compute_logits(hidden, out=buffers.logits[:size])
 
 
 def check_capturable(kernels: Kernels, model_config: ModelConfig) -> None:
@@ -290,7 +303,7 @@ class DecodeGraphs:
         padded = pad_decode(rows, size, scratch_slot=self.scratch_slot, max_width=self.width)
         self.buffers.fill(padded)
         if feed is not None:
-            feed.apply(self.buffers.stage)  # input ids are the stage's first P values
+            feed.apply(self.buffers.input_ids(size))
         graph = self.graphs.get(size)
         if graph is not None:
             graph.replay()

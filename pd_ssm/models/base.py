@@ -41,10 +41,14 @@ class CausalLM(nn.Module, ABC):
 
     lm_head: nn.Linear
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32 (only the rows the sampler needs are passed in)."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 (only the rows the sampler needs are passed in); into
+        `out` [N, vocab] fp32 where given (one cast-and-copy launch instead of a cast and a copy)."""
         weight = self.lm_head.weight
-        return nn.functional.linear(hidden.to(weight.dtype), weight).float()
+        logits = nn.functional.linear(hidden.to(weight.dtype), weight)
+        if out is None:
+            return logits.float()
+        return out.copy_(logits)
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -118,6 +118,13 @@ def test_buffers_fill_and_inputs() -> None:
         assert t.dtype == torch.int32
     assert meta.slot_mapping.dtype == ids.dtype == positions.dtype == torch.int64
     assert meta.block_tables.tolist() == [[5, 1, 0, 0], [4, 9, 7, 0], [1, 0, 0, 0], [0, 0, 0, 0]]
+    # every per-row input is a view of the stage (the captured step casts nothing), and a token
+    # feed writes the ids through `input_ids`
+    stage = buf.stage.untyped_storage().data_ptr()
+    for t in (ids, positions, meta.slot_mapping, meta.context_lens, meta.seq_lens, meta.state_indices):
+        assert t.untyped_storage().data_ptr() == stage
+    buf.input_ids(4)[:2].copy_(torch.tensor([70, -3]))
+    assert buf.inputs(4)[0].tolist() == [70, -3, 13, 0] and buf.inputs(4)[1].tolist() == [5, 9, 2, 0]
 
     # a narrower batch afterwards: the columns it does not use are zero again, not stale
     buf.fill(pad_decode(DecodeRows([1, 2], [3, 4], [3, 4], [0, 1], [[6], [2]]), 2, scratch_slot=9, max_width=4))
