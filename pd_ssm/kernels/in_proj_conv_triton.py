@@ -33,12 +33,14 @@ from pd_ssm.kernels.launch import FastKernel
 from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 from pd_ssm.kernels.pending_norm import PendingNorm, check_pending_norm, linear_pending_ref
 from pd_ssm.kernels.skinny_linear_triton import (
+    FMA_MAX_ROWS,
     LinearTile,
     fma_gemv_main,
     fma_gemv_pre,
     fma_tile,
     gemv_serves,
     linear_triton,
+    skinny_linear_triton,
 )
 
 
@@ -143,7 +145,12 @@ def in_proj_conv_triton(
                          f"and xBC columns [{conv_start}, {conv_start + conv_dim}) do not fit")
     use = fusable(hidden, weight) if fused is None else fused
     if not use:
-        proj = linear_triton(x, weight, bias) if pending is None else linear_pending_ref(pending, weight, bias)
+        if pending is None:
+            proj = linear_triton(x, weight, bias)
+        elif B > FMA_MAX_ROWS:
+            proj = skinny_linear_triton(pending, weight, bias)  # the DOT path applies the pending scale
+        else:
+            proj = linear_pending_ref(pending, weight, bias)
         return proj, causal_conv1d_update_triton(proj[:, conv_start:conv_start + conv_dim], conv_state, conv_weight,
                                                  conv_bias, state_indices=state_indices)
     if B != 1 or x.stride(1) != 1 or weight.stride(1) != 1 or weight.dtype != x.dtype:

@@ -1,6 +1,6 @@
-"""Triton `out_proj_add_ref` for one decode row: out_proj's GEMV with the residual add in its epilogue.
+"""Triton `out_proj_add_ref` for a decode step: out_proj with the residual add in its epilogue.
 
-Each program of the one-row GEMV (skinny_linear_triton.py's, same tile and prefetch) owns BLOCK_N
+One row. Each program of the one-row GEMV (skinny_linear_triton.py's, same tile and prefetch) owns BLOCK_N
 output columns. It finishes them as `add_rms_norm` would: scales them by the gated norm's deferred
 row scale (RowRms: the squares the state update wrote), adds them to the residual and writes the
 new residual; then, for the next norm, writes weight * residual and its columns' sum of squares
@@ -8,7 +8,11 @@ new residual; then, for the next norm, writes weight * residual and its columns'
 by the next in_proj (pending_norm.py), so the norm's launch, a one-program reduction between two
 weight streams, is gone.
 
-Arithmetic: out_proj's output is rounded to g's dtype (as the plain GEMV stores it), then the add
+More rows (up to PENDING_MAX_ROWS where `pending_norm_triton` takes it): the split-K GEMM of the
+DOT path writes fp32 partial sums, and one reduce launch sums them and does the same epilogue per
+(row, column block): it replaces cuBLAS's split-K GEMM, its reduce and the norm's launch.
+
+Arithmetic: out_proj's output is rounded to g's dtype (as the plain GEMM stores it), then the add
 is the reference's: fp32 sum of residual.to(residual_dtype) and out * r, one rounding. The norm's
 input is that residual rounded to the norm weight's dtype, the weight product rounded once.
 """
@@ -20,14 +24,21 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pd_ssm.kernels._checks import FLOAT_DTYPES, check_dtype, check_last_dim_contiguous, check_shape
+from pd_ssm.kernels._checks import check_dtype, check_last_dim_contiguous, check_shape
 from pd_ssm.kernels._device import on_device
 from pd_ssm.kernels._grid import cdiv, pow2
 from pd_ssm.kernels.launch import FastKernel
 from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 from pd_ssm.kernels.pending_norm import PendingNorm
 from pd_ssm.kernels.rmsnorm import RowRms
-from pd_ssm.kernels.skinny_linear_triton import LinearTile, fma_gemv_main, fma_gemv_pre, fma_tile, gemv_serves
+from pd_ssm.kernels.skinny_linear_triton import (
+    MAX_ROWS,
+    LinearTile,
+    fma_gemv_main,
+    fma_gemv_pre,
+    fma_tile,
+    launch_dot,
+)
 
 
 @triton.jit
@@ -65,45 +76,103 @@ def _out_proj_add_kernel(
     tl.store(ss_ptr + pid, tl.sum(tl.where(n_ok, h * h, 0.0), axis=0))
 
 
+@triton.jit
+def _split_reduce_add_kernel(
+    # pointers
+    ws_ptr, sq_ptr, res_ptr, nw_ptr, res_out_ptr, x_out_ptr, ss_ptr,
+    # dimensions
+    M, N, n_sq, width, eps,
+    # strides (the last axes have stride 1)
+    stride_sq, stride_res, stride_ss,
+    # meta-parameters
+    SPLIT: tl.constexpr, SQ_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """More than one row: out_proj's fp32 partial sums ws [SPLIT, M, N] (the split-K GEMM's) summed in
+    a fixed order and rounded to the output dtype as the GEMM's own reduce would, then the one-row
+    kernel's epilogue: one program per (column block, row)."""
+    pid = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    offs_n = pid * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    n_ok = offs_n < N
+    res = tl.load(res_ptr + m * stride_res + offs_n, mask=n_ok, other=0.0)
+    nw = tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0)
+    offs_q = tl.arange(0, SQ_BLOCK)
+    sq = tl.load(sq_ptr + m * stride_sq + offs_q, mask=offs_q < n_sq, other=0.0)
+    y = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        y += tl.load(ws_ptr + (s * M + m) * N + offs_n, mask=n_ok, other=0.0)
+    out = y.to(x_out_ptr.dtype.element_ty).to(tl.float32)  # out_proj's output as the GEMM stores it
+    r = 1.0 / tl.sqrt_rn(tl.sum(sq, axis=0) / width + eps)
+    rdt = res_out_ptr.dtype.element_ty
+    new = (res.to(rdt).to(tl.float32) + out * r).to(rdt)
+    tl.store(res_out_ptr + m * stride_res + offs_n, new, mask=n_ok)
+    h = new.to(nw_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(x_out_ptr + m * stride_res + offs_n, (nw.to(tl.float32) * h).to(x_out_ptr.dtype.element_ty), mask=n_ok)
+    tl.store(ss_ptr + m * stride_ss + pid, tl.sum(tl.where(n_ok, h * h, 0.0), axis=0))
+
+
 _OUT_PROJ_ADD = FastKernel(_out_proj_add_kernel)
+_SPLIT_REDUCE_ADD = FastKernel(_split_reduce_add_kernel)
+# NOTE: more than one row: the split-K tile that kept up with cuBLAS in the batch-32 decode chain
+# (82.89 / 83.38 against 82.50 / 83.23 us a layer, benchmarks/wide_out_proj_gpu.py, H200, RESULTS.md
+# session 18); the reduce's column block
+WIDE_TILE = LinearTile(32, 128, 4, 4, split_k=4)
+REDUCE_BLOCK = 512
+PENDING_MAX_ROWS = 32  # measured up to here (RESULTS.md session 18); cuBLAS and the norm launch above
 
 
 def pending_norm_triton(g: Tensor, weight: Tensor) -> bool:
     """Whether a block boundary on out_proj's (g, weight) takes `out_proj_add_triton` and leaves the
-    next norm pending: one row on the weight-streaming GEMV (bf16 / fp16 on CUDA,
-    skinny_linear_triton.gemv_serves). Measured on an H200 (2.7B shape, the batch-1 layer chain in a
-    CUDA graph, benchmarks/decode_chain_gpu.py): RESULTS.md session 18."""
-    return gemv_serves(g, weight) and g.shape[0] == 1
+    next norm pending: bf16 / fp16 on CUDA, stride 1 on K, at most PENDING_MAX_ROWS rows. Measured on
+    an H200 (2.7B shape; the batch-1 layer chain, benchmarks/decode_chain_gpu.py, and the engine's
+    decode steps): RESULTS.md session 18."""
+    return (g.is_cuda and g.dim() == 2 and 0 < g.shape[0] <= PENDING_MAX_ROWS and g.dtype in (torch.bfloat16,
+            torch.float16) and weight.dtype == g.dtype and g.stride(1) == 1 and weight.stride(1) == 1)
 
 
 def out_proj_add_triton(
     g: Tensor, weight: Tensor, x_rms: RowRms, residual: Tensor, norm_weight: Tensor, eps: float, *,
     residual_dtype: torch.dtype, tile: LinearTile | None = None,
 ) -> tuple[Tensor, PendingNorm]:
-    """Triton `out_proj_add_ref` (pending_norm.py) for one row: g [1, d_inner] and weight [d, d_inner]
-    of one dtype, norm_weight [d]; residual [1, d] any float dtype (`pending_norm_triton` says where
-    it is the faster choice). Returns (residual [1, d] in residual_dtype,
-    PendingNorm(x [1, d] in norm_weight's dtype, ss [1, ceil(d / BLOCK_N)] fp32, eps)). `tile`: the
-    GEMV's (default skinny_linear_triton.fma_tile's), for sweeps."""
+    """Triton `out_proj_add_ref` (pending_norm.py): g [M, d_inner], weight [d, d_inner] and norm_weight
+    [d] of one dtype; residual [M, d] any float dtype (`pending_norm_triton` says where it is the
+    faster choice). Returns (residual [M, d] in residual_dtype, PendingNorm(x [M, d], ss [M, K] fp32,
+    eps)). `tile`: the GEMV's at one row (default skinny_linear_triton.fma_tile's), the split-K
+    GEMM's at more (default WIDE_TILE), for sweeps."""
     k = "out_proj_add"
-    if (g.dim() != 2 or g.shape[0] != 1 or weight.dim() != 2 or weight.shape[1] != g.shape[1] or g.dtype != weight.dtype
-            or g.stride(1) != 1 or weight.stride(1) != 1):
-        raise ValueError(f"{k}: one row g [1, K] and weight [N, K] of one dtype, stride 1 on K; got g "
+    if (g.dim() != 2 or not 0 < g.shape[0] <= MAX_ROWS or weight.dim() != 2 or weight.shape[1] != g.shape[1]
+            or g.dtype != weight.dtype or g.stride(1) != 1 or weight.stride(1) != 1):
+        raise ValueError(f"{k}: g [M, K] (1..{MAX_ROWS} rows) and weight [N, K] of one dtype, stride 1 on K; got g "
                          f"{tuple(g.shape)} {g.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
-    N = weight.shape[0]
-    check_shape(k, "residual", residual, "[1, d]", (1, N))
+    M, N = g.shape[0], weight.shape[0]
+    check_shape(k, "residual", residual, "[M, d]", (M, N))
     check_last_dim_contiguous(k, "residual", residual)
     check_shape(k, "norm_weight", norm_weight, "[d]", (N,))
-    check_dtype(k, "norm_weight", norm_weight, FLOAT_DTYPES)
-    check_shape(k, "x_rms.sq", x_rms.sq, "[1, K]", (1, x_rms.sq.shape[-1]))
+    check_dtype(k, "norm_weight", norm_weight, (g.dtype,))
+    check_shape(k, "x_rms.sq", x_rms.sq, "[M, K]", (M, x_rms.sq.shape[-1]))
     check_last_dim_contiguous(k, "x_rms.sq", x_rms.sq)
+    residual = residual.contiguous()
+    new = torch.empty((M, N), dtype=residual_dtype, device=g.device)  # [M, d]
+    x = torch.empty((M, N), dtype=norm_weight.dtype, device=g.device)  # [M, d]
+    n_sq = x_rms.sq.shape[1]
+    if M > 1:
+        t = tile or WIDE_TILE
+        # the split-K GEMM's fp32 partials, summed with the epilogue by one launch
+        ws = torch.empty((max(1, t.split_k), M, N), dtype=torch.float32, device=g.device)  # [S, M, d]
+        launch_dot(g, weight, ws, t)
+        grid_n = cdiv(N, REDUCE_BLOCK)
+        ss = torch.empty((M, grid_n), dtype=torch.float32, device=g.device)  # [M, K]
+        with on_device(g):
+            _SPLIT_REDUCE_ADD[(grid_n, M)](
+                ws, x_rms.sq, residual, norm_weight.contiguous(), new, x, ss, M, N, n_sq, float(x_rms.width),
+                float(x_rms.eps), x_rms.sq.stride(0), N, ss.stride(0), SPLIT=ws.shape[0], SQ_BLOCK=pow2(n_sq),
+                BLOCK=REDUCE_BLOCK, num_warps=4,
+            )
+        return new, PendingNorm(x, ss, eps)
     t = tile or fma_tile(N)
     grid = cdiv(N, t.block_n)
-    new = torch.empty((1, N), dtype=residual_dtype, device=g.device)  # [1, d]
-    x = torch.empty((1, N), dtype=norm_weight.dtype, device=g.device)  # [1, d]
     ss = torch.empty((1, grid), dtype=torch.float32, device=g.device)  # [1, K]
     pdl = use_pdl(g)
-    n_sq = x_rms.sq.shape[1]
     with on_device(g):
         _OUT_PROJ_ADD[(grid,)](
             g, weight, x_rms.sq, residual, norm_weight.contiguous(), new, x, ss, N, weight.shape[1], n_sq,

@@ -1,4 +1,4 @@
-"""A block boundary at one decode row with the next RMSNorm's scale left to the next in_proj.
+"""A decode step's block boundary with the next RMSNorm's scale left to the next in_proj.
 
 At batch 1 a Mamba2 block boundary is out_proj (a GEMV), then the residual add and RMSNorm (one
 program: a reduction over the whole row), then the next block's in_proj (a GEMV). The norm's
@@ -10,7 +10,12 @@ step on an H200, RESULTS.md session 18). It splits cleanly:
     weight * residual for the next norm (rounded to the weight's dtype), and writes its columns'
     share of that norm's sum of squares: `out_proj_add` -> (residual, PendingNorm(x, ss, eps));
   - the norm's row scale r = rsqrt(sum(ss) / d + eps) is one scalar per row, so the next in_proj
-    computes r * (W @ x) instead of W @ (weight * (residual * r)): `linear_pending`.
+    computes r * (W @ x) instead of W @ (weight * (residual * r)): `linear_pending_ref`.
+
+In a decode step of a few rows the boundary is the same with cuBLAS GEMMs: there out_proj becomes
+the split-K GEMM of skinny_linear_triton.py plus one reduce launch doing the epilogue (replacing
+cuBLAS's split-K and reduce and the norm's launch), and in_proj that file's DOT path with the
+scale in its epilogue (out_proj_add_triton.py, PENDING_MAX_ROWS).
 
 The reference rounds residual * r to the weight's dtype and then the product with the weight;
 here the residual (rounded to the weight's dtype, as the reference rounds it before normalizing)

@@ -27,6 +27,7 @@ from pd_ssm.kernels._grid import cdiv, pow2
 from pd_ssm.kernels.launch import FastKernel
 from pd_ssm.kernels.linear import linear_ref
 from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
+from pd_ssm.kernels.pending_norm import PendingNorm, check_pending_norm
 
 MAX_ROWS = 256  # more rows than this: a real GEMM (cuBLAS) is the better tool
 
@@ -146,18 +147,20 @@ def _skinny_fma_kernel(
 @triton.jit
 def _skinny_dot_kernel(
     # pointers
-    x_ptr, w_ptr, b_ptr, y_ptr,
+    x_ptr, w_ptr, b_ptr, y_ptr, ss_ptr,
     # dimensions (K is specialized on: a layer's K never changes, and the loop bound is static)
-    M, N, K: tl.constexpr,
+    M, N, K: tl.constexpr, n_ss, eps,
     # strides (the last axes have stride 1)
-    stride_xm, stride_wn, stride_ym,
+    stride_xm, stride_wn, stride_ym, stride_ss,
     # meta-parameters
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, INTERPRETED: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, PENDING: tl.constexpr, SS_BLOCK: tl.constexpr,
 ):
     """SPLIT == 1: y = x W^T (+ bias) rounded once; else y_ptr is an fp32 [SPLIT, M, N] workspace of
-    partial sums over K_PER_SPLIT-long slices of K (bias and rounding left to the reduce kernel)."""
+    partial sums over K_PER_SPLIT-long slices of K (bias and rounding left to the reduce kernel).
+    PENDING (SPLIT == 1): x is a pending norm's (pending_norm.py), ss_ptr [M, n_ss] its partial
+    squares: each row's sums are multiplied by the norm's scale before the bias."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -179,6 +182,11 @@ def _skinny_dot_kernel(
             acc = tl.dot(xv, w, acc)
     out_ok = m_ok[:, None] & n_ok[None, :]
     if SPLIT == 1:
+        if PENDING:
+            offs_s = tl.arange(0, SS_BLOCK)
+            ss = tl.load(ss_ptr + offs_m.to(tl.int64)[:, None] * stride_ss + offs_s[None, :],
+                         mask=m_ok[:, None] & (offs_s < n_ss)[None, :], other=0.0)  # [BLOCK_M, SS_BLOCK]
+            acc *= (1.0 / tl.sqrt_rn(tl.sum(ss, axis=1) / K + eps))[:, None]
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -218,13 +226,19 @@ _SPLIT_REDUCE = FastKernel(_split_reduce_kernel)
 
 
 def skinny_linear_triton(
-    x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tile: LinearTile | None = None
+    inp: Tensor | PendingNorm, weight: Tensor, bias: Tensor | None = None, *, tile: LinearTile | None = None
 ) -> Tensor:
     """y [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), M <= MAX_ROWS, one launch.
 
     x and weight share a dtype (bf16 / fp16 / fp32) and have stride 1 on K; bias in any float
     dtype.  fp32 inputs take IEEE fp32 dots (never tf32), as torch's default linear does.
+    The input may be a pending norm (pending_norm.py: `linear_pending_ref`'s arithmetic) on the
+    DOT path (more than FMA_MAX_ROWS rows, no split of K).
     """
+    pending = inp if isinstance(inp, PendingNorm) else None
+    if pending is not None:
+        check_pending_norm("skinny_linear", pending)
+    x = inp.x if isinstance(inp, PendingNorm) else inp
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"skinny_linear: x [M, K] and weight [N, K] expected, got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -237,10 +251,12 @@ def skinny_linear_triton(
     if bias is not None and bias.shape != (N,):
         raise ValueError(f"skinny_linear: bias must be [{N}], got {tuple(bias.shape)}")
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)  # [M, N]
-    interpreted = not x.is_cuda
+    t = tile or (fma_tile(N) if M <= FMA_MAX_ROWS else DOT_TILE)
+    if pending is not None and (M <= FMA_MAX_ROWS or t.split_k > 1):
+        raise ValueError(f"skinny_linear: a pending norm takes the DOT path without a split of K ({M} rows, "
+                         f"split {t.split_k}); one row goes through in_proj_conv")
     if M <= FMA_MAX_ROWS:
         pdl = use_pdl(x)
-        t = tile or fma_tile(N)
         if t.prefetch_k % t.block_k or t.prefetch_k & (t.prefetch_k - 1):
             raise ValueError(f"skinny_linear: prefetch_k must be 0 or a power of two multiple of block_k "
                              f"({t.block_k}), got {t.prefetch_k}")
@@ -250,24 +266,36 @@ def skinny_linear_triton(
             PDL=pdl, PRE_K=t.prefetch_k, num_warps=t.num_warps, **launch_options(pdl),
         )
     else:
-        t = tile or DOT_TILE
-        block_m = min(64, max(16, pow2(M)))
         split = max(1, t.split_k)
-        k_per_split = cdiv(cdiv(K, split), t.block_k) * t.block_k
         # NOTE: fp32 partials [split, M, N]: a second launch sums them in a fixed order
         out = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-        _SKINNY_DOT[(cdiv(N, t.block_n), cdiv(M, block_m), split)](
-            x, weight, bias, out, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-            K_PER_SPLIT=k_per_split, SPLIT=split, NUM_STAGES=t.num_stages, INTERPRETED=interpreted,
-            IEEE=x.dtype == torch.float32, num_warps=t.num_warps,
-        )
+        launch_dot(x, weight, out, t, bias=bias, pending=pending)
         if split > 1:
             block = 1024
             _SPLIT_REDUCE[(cdiv(M * N, block),)](
                 out, bias, y, M, N, y.stride(0), HAS_BIAS=bias is not None, SPLIT=split, BLOCK=block, num_warps=4,
             )
     return y
+
+
+def launch_dot(x: Tensor, weight: Tensor, out: Tensor, t: LinearTile, *, bias: Tensor | None = None,
+               pending: PendingNorm | None = None) -> None:
+    """The DOT path's GEMM (arguments checked by the caller): out = x W^T (+ bias) [M, N] in x's dtype
+    where t.split_k <= 1, else the fp32 partial sums [split, M, N] for a reduce launch to add up."""
+    M, K = x.shape
+    N = weight.shape[0]
+    block_m = min(64, max(16, pow2(M)))
+    split = max(1, t.split_k)
+    k_per_split = cdiv(cdiv(K, split), t.block_k) * t.block_k
+    ss = None if pending is None else pending.ss.contiguous()
+    n_ss = 0 if ss is None else ss.shape[1]
+    _SKINNY_DOT[(cdiv(N, t.block_n), cdiv(M, block_m), split)](
+        x, weight, bias, out, ss, M, N, K, n_ss, 0.0 if pending is None else float(pending.eps),
+        x.stride(0), weight.stride(0), out.stride(-2), 0 if ss is None else ss.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        K_PER_SPLIT=k_per_split, SPLIT=split, NUM_STAGES=t.num_stages, INTERPRETED=not x.is_cuda,
+        IEEE=x.dtype == torch.float32, PENDING=pending is not None, SS_BLOCK=pow2(n_ss), num_warps=t.num_warps,
+    )
 
 
 def fma_tile(n: int) -> LinearTile:

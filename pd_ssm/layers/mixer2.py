@@ -11,12 +11,12 @@ With `defer_norm_scale` (Mamba2 blocks; ungrouped norm, no out_proj bias) a step
 DEFER_BELOW_DECODE_ROWS decode rows instead returns
 ScaledDelta(out_proj(weight * y * silu(z)), RowRms): the norm's per-row scale is applied by the
 next block's add_rms_norm, and decode rows run the state update and the gate in one kernel
-(kernels/mixer_decode.py) -- the gated norm's launch is gone. A step of one decode row whose
+(kernels/mixer_decode.py) -- the gated norm's launch is gone. A decode step whose
 block hands the mixer its boundary (NormBoundary: the residual stream and the next block's norm)
-goes one further where the kernels have it (`kernels.pending_norm`): out_proj's epilogue does the
-residual add and the next norm's statistics, and the next block's in_proj applies that norm's
-scale (kernels/pending_norm.py), so the mixer returns a PendingBlock and the next block's norm
-launch is gone too.
+goes one further where the kernels have it (`kernels.pending_norm`: decode steps of up to 32 rows
+on the Triton kernels): out_proj's epilogue does the residual add and the next norm's statistics,
+and the next block's in_proj applies that norm's scale (kernels/pending_norm.py), so the mixer
+returns a PendingBlock and the next block's norm launch is gone too.
 
 Both paths read and write the states of the slots in `meta.state_indices` in place.  xBC splits
 after the conv into x [d_inner] | B [n_groups * d_state] | C [n_groups * d_state].
@@ -141,20 +141,22 @@ class Mamba2Mixer(nn.Module):
         PendingNorm input comes from the previous block's PendingBlock: one decode row."""
         k = self.kernels
         rows = (hidden.x if isinstance(hidden, PendingNorm) else hidden).shape[0]
-        one_row = meta.num_prefills == 0 and rows == 1
-        if isinstance(hidden, PendingNorm) and not (self.defer_norm_scale and one_row):
-            raise RuntimeError("a pending norm reaches only a deferred-norm mixer's one-row decode step: the block "
-                               "before chose it for this step's single decode row")
-        if self.defer_norm_scale and meta.num_decodes < DEFER_BELOW_DECODE_ROWS:
-            if one_row:  # one decode row: the conv rides in_proj
-                gated = self._one_row_gated_squares(hidden, meta, cache)
+        defer = self.defer_norm_scale and meta.num_decodes < DEFER_BELOW_DECODE_ROWS
+        if isinstance(hidden, PendingNorm) and not (defer and meta.num_prefills == 0):
+            raise RuntimeError("a pending norm reaches only a deferred-norm mixer's decode step: the block before "
+                               "chose it for this step's decode rows")
+        if defer:
+            if meta.num_prefills == 0 and (rows == 1 or isinstance(hidden, PendingNorm)):
+                # decode rows through in_proj_conv: the conv rides in_proj at one row; a pending norm's
+                # scale is applied by in_proj at any number
+                gated = self._in_proj_conv_gated_squares(hidden, meta, cache)
             else:
                 assert isinstance(hidden, torch.Tensor)
                 # NOTE: through the kernels: a decode step of a few rows streams the weights faster than cuBLAS
                 proj = k.linear(hidden, self.in_proj.weight, self.in_proj.bias)  # [T, d_inner + conv_dim + nheads]
                 gated = self._gated_squares(proj, meta, cache)
             rms = RowRms(gated.sq, self.d_inner, self.norm.eps)
-            if (boundary is not None and not boundary.next_norm.weight_in_fp32
+            if (boundary is not None and meta.num_prefills == 0 and not boundary.next_norm.weight_in_fp32
                     and k.pending_norm(gated.g, self.out_proj.weight)):
                 nxt = boundary.next_norm
                 residual, pending = k.out_proj_add(gated.g, self.out_proj.weight, rms, boundary.residual, nxt.weight,
@@ -175,10 +177,10 @@ class Mamba2Mixer(nn.Module):
         y = self.norm(y.reshape(proj.shape[0], self.d_inner), z)
         return k.linear(y, self.out_proj.weight, self.out_proj.bias)
 
-    def _one_row_gated_squares(self, hidden: torch.Tensor | PendingNorm, meta: ForwardMeta,
-                               cache: CachePool) -> GatedSquares:
-        """A step of one decode row: in_proj and the conv in one launch where the kernels have it
-        (kernels/in_proj_conv_triton.py), then the state update and the gate."""
+    def _in_proj_conv_gated_squares(self, hidden: torch.Tensor | PendingNorm, meta: ForwardMeta,
+                                    cache: CachePool) -> GatedSquares:
+        """A decode-only step: in_proj and the conv (in one launch at one row where the kernels have it,
+        kernels/in_proj_conv_triton.py), then the state update and the gate."""
         k = self.kernels
         slots = meta.decode_view().state_indices
         proj, xbc = k.in_proj_conv(

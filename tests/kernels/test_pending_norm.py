@@ -19,7 +19,12 @@ from torch import Tensor
 
 from pd_ssm.kernels.in_proj_conv_triton import fusable, in_proj_conv_triton
 from pd_ssm.kernels.mixer_decode import in_proj_conv_ref
-from pd_ssm.kernels.out_proj_add_triton import out_proj_add_triton, pending_norm_triton
+from pd_ssm.kernels.out_proj_add_triton import (
+    PENDING_MAX_ROWS,
+    WIDE_TILE,
+    out_proj_add_triton,
+    pending_norm_triton,
+)
 from pd_ssm.kernels.pending_norm import PendingNorm, linear_pending_ref, out_proj_add_ref
 from pd_ssm.kernels.rmsnorm import RowRms, add_rms_norm_ref
 from pd_ssm.kernels.skinny_linear_triton import skinny_linear_triton
@@ -30,35 +35,40 @@ WIDTH = 4
 EPS = 1e-5
 # (hidden d, d_inner, H, N, G): d not a multiple of out_proj's 4-column tile in the first
 SHAPES = [(46, 40, 4, 8, 1), (64, 64, 4, 16, 2)] + ([(2560, 5120, 80, 128, 1)] if CUDA else [])
+# one row (the GEMVs) and more (the split-K GEMM and in_proj's DOT path): a decode step's rows
+ROWS = [1, 3] + ([32] if CUDA else [])
 
 
 def rand(g: torch.Generator, *shape: int, scale: float = 1.0) -> Tensor:
     return (torch.randn(*shape, generator=g) * scale).to(DEV)
 
 
-def boundary(d: int, d_inner: int, dtype: torch.dtype, residual_dtype: torch.dtype, seed: int) -> dict[str, Tensor]:
+def boundary(d: int, d_inner: int, dtype: torch.dtype, residual_dtype: torch.dtype, seed: int,
+             rows: int = 1) -> dict[str, Tensor]:
     g = gen(seed)
     return {
-        "g": rand(g, 1, d_inner).to(dtype),
+        "g": rand(g, rows, d_inner).to(dtype),
         "w_out": rand(g, d, d_inner, scale=d_inner ** -0.5).to(dtype),
-        "sq": torch.rand(1, 7, generator=g).to(DEV) * d_inner / 7,
-        "residual": rand(g, 1, d).to(residual_dtype),
+        "sq": torch.rand(rows, 7, generator=g).to(DEV) * d_inner / 7,
+        "residual": rand(g, rows, d).to(residual_dtype),
         "norm_w": (1 + 0.1 * rand(g, d)).to(dtype),
     }
 
 
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("residual_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_out_proj_add_is_the_reference_add(shape: tuple[int, ...], dtype: torch.dtype,
-                                           residual_dtype: torch.dtype) -> None:
+                                           residual_dtype: torch.dtype, rows: int) -> None:
     d, d_inner = shape[:2]
-    c = boundary(d, d_inner, dtype, residual_dtype, seed=d + d_inner)
+    c = boundary(d, d_inner, dtype, residual_dtype, seed=d + d_inner + rows, rows=rows)
     x_rms = RowRms(c["sq"], d_inner, EPS)
     new, got = out_proj_add_triton(c["g"], c["w_out"], x_rms, c["residual"], c["norm_w"], EPS,
                                    residual_dtype=torch.float32)
-    # the same GEMV stored, then the reference's add and norm
-    out = skinny_linear_triton(c["g"], c["w_out"])
+    # the same GEMM stored (one row: the GEMV; more: the split-K GEMM and its reduce), then the
+    # reference's add and norm
+    out = skinny_linear_triton(c["g"], c["w_out"], tile=None if rows == 1 else WIDE_TILE)
     want = add_rms_norm_ref(out, c["residual"], c["norm_w"], EPS, residual_dtype=torch.float32, x_rms=x_rms)
     assert new.dtype == torch.float32 and got.x.dtype == dtype and got.eps == EPS
     torch.testing.assert_close(new, want.residual, rtol=1e-6, atol=1e-6)
@@ -67,8 +77,8 @@ def test_out_proj_add_is_the_reference_add(shape: tuple[int, ...], dtype: torch.
     loose = dtype == torch.bfloat16 and not CUDA
     h = new.to(dtype)
     torch.testing.assert_close(got.x, c["norm_w"] * h, rtol=1.6e-2 if loose else 0, atol=1e-6 if loose else 0)
-    assert got.ss.shape[0] == 1
-    torch.testing.assert_close(got.ss.sum(), h.float().pow(2).sum(), rtol=1.6e-2 if loose else 1e-5, atol=1e-5)
+    assert got.ss.shape[0] == rows
+    torch.testing.assert_close(got.ss.sum(-1), h.float().pow(2).sum(-1), rtol=1.6e-2 if loose else 1e-5, atol=1e-5)
     # the pending norm's scale is the norm's: r * x is what the norm puts out, within one rounding
     normed = (got.x.float() * got.scale()[:, None]).to(dtype)
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
@@ -96,15 +106,15 @@ def in_proj_case(d: int, d_inner: int, H: int, N: int, G: int, dtype: torch.dtyp
     }
 
 
-def pending(d: int, dtype: torch.dtype, seed: int) -> tuple[Tensor, Tensor, PendingNorm]:
-    """(residual [1, d] fp32, norm weight [d], the norm of the residual left pending)."""
+def pending(d: int, dtype: torch.dtype, seed: int, rows: int = 1) -> tuple[Tensor, Tensor, PendingNorm]:
+    """(residual [rows, d] fp32, norm weight [d], the norm of the residual left pending)."""
     g = gen(seed)
-    residual = rand(g, 1, d)  # fp32, the stream of residual_in_fp32
+    residual = rand(g, rows, d)  # fp32, the stream of residual_in_fp32
     w = (1 + 0.1 * rand(g, d)).to(dtype)
     h = residual.to(dtype)
     # the squares split unevenly over partials, as out_proj's programs split them
     sq = h.float().pow(2)
-    ss = torch.stack([sq[0, :5].sum(), sq[0, 5:].sum(), torch.zeros((), device=DEV)])[None]
+    ss = torch.stack([sq[:, :5].sum(-1), sq[:, 5:].sum(-1), torch.zeros(rows, device=DEV)], dim=1)
     return residual, w, PendingNorm(w * h, ss, EPS)
 
 
@@ -137,6 +147,34 @@ def test_in_proj_conv_on_a_pending_norm(shape: tuple[int, ...], dtype: torch.dty
                                         state_indices=c["slot"], conv_start=d_inner, fused=False)
     torch.testing.assert_close(proj_2, proj, **tol)
     torch.testing.assert_close(xbc_2, xbc, **tol)
+
+
+@pytest.mark.parametrize("rows", [r for r in ROWS if r > 1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_in_proj_conv_on_a_pending_norm_of_several_rows(shape: tuple[int, ...], dtype: torch.dtype, rows: int) -> None:
+    """The DOT path (skinny_linear_triton) applies the scale per row, then the conv update's launch."""
+    d, d_inner, H, N, G = shape
+    c = in_proj_case(d, d_inner, H, N, G, dtype, seed=d + rows)
+    g = gen(rows)
+    pool = rand(g, rows + 3, c["conv_weight"].shape[0], WIDTH - 1).to(dtype)
+    slots = torch.randperm(rows + 3, generator=g)[:rows].to(torch.int32).to(DEV)
+    residual, w, p = pending(d, dtype, seed=d + 1, rows=rows)
+    state = pool.clone()
+    proj, xbc = in_proj_conv_triton(p, c["weight"], c["bias"], state, c["conv_weight"], c["conv_bias"],
+                                    state_indices=slots, conv_start=d_inner)
+    state_r = pool.clone()
+    proj_r, xbc_r = in_proj_conv_ref(p, c["weight"], c["bias"], state_r, c["conv_weight"], c["conv_bias"],
+                                     state_indices=slots, conv_start=d_inner)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(proj, proj_r, **tol)
+    torch.testing.assert_close(xbc, xbc_r, **tol)
+    torch.testing.assert_close(state, state_r, **tol)
+    normed = add_rms_norm_ref(None, residual, w, EPS, residual_dtype=torch.float32).normed
+    want = torch.nn.functional.linear(normed.float(), c["weight"].float(), c["bias"].float())
+    torch.testing.assert_close(proj.float(), want, **tol)
+    with pytest.raises(ValueError, match="split"):
+        skinny_linear_triton(p, c["weight"], tile=WIDE_TILE)
 
 
 def test_linear_pending_ref_is_the_norm_then_the_linear_in_fp32() -> None:
@@ -181,15 +219,20 @@ def test_where_the_fused_kernels_serve() -> None:
     _, _, p = pending(2560, torch.bfloat16, seed=1)
     w = torch.empty(16, 2560, dtype=torch.bfloat16, device=DEV)
     assert fusable(p, w) == CUDA
-    assert pending_norm_triton(torch.empty(1, 2560, dtype=torch.bfloat16, device=DEV), w) == CUDA
-    assert not pending_norm_triton(torch.empty(2, 2560, dtype=torch.bfloat16, device=DEV), w)
+    for rows in (1, 2, PENDING_MAX_ROWS):
+        assert pending_norm_triton(torch.empty(rows, 2560, dtype=torch.bfloat16, device=DEV), w) == CUDA
+    assert not pending_norm_triton(torch.empty(PENDING_MAX_ROWS + 1, 2560, dtype=torch.bfloat16, device=DEV), w)
+    assert not pending_norm_triton(torch.empty(1, 2560, dtype=torch.float32, device=DEV), w.float())
     assert not fusable(p._replace(x=p.x.float()), w)
 
 
 def test_bad_arguments_refused() -> None:
     b = boundary(46, 40, torch.float32, torch.float32, seed=2)
     x_rms = RowRms(b["sq"], 40, EPS)
-    with pytest.raises(ValueError, match="one row"):
+    with pytest.raises(ValueError, match="rows"):
+        out_proj_add_triton(b["g"].expand(300, -1), b["w_out"], x_rms, b["residual"], b["norm_w"], EPS,
+                            residual_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"residual must have shape \[M, d\]"):
         out_proj_add_triton(b["g"].expand(2, -1), b["w_out"], x_rms, b["residual"], b["norm_w"], EPS,
                             residual_dtype=torch.float32)
     with pytest.raises(ValueError, match="norm_weight"):
