@@ -58,7 +58,10 @@ FMA_TILE = LinearTile(32, 256, 4, 3)
 # SM): 29.9 against 30.7-30.8 us per layer, bit-equal (session 7)
 FMA_TILE_NARROW = LinearTile(4, 512, 4, 4, prefetch_k=2048)  # N <= 4096
 # NOTE: at 32 and 128 rows the DOT path lost to cuBLAS (0.66-0.95x, too few programs without split-K),
-# so `linear_triton` keeps cuBLAS there; the path stays for the sweep and the tests
+# so `linear_triton` keeps cuBLAS there. It serves a pending norm's in_proj (pending_norm.py, up to
+# 32 rows): the scale rides its epilogue, where the norm's launch it saves pays for what it loses to
+# cuBLAS (decode batch 32 5.44 -> 5.36 ms, batch 8 3.25 -> 3.10, RESULTS.md session 18); and, split
+# along K, out_proj there (out_proj_add_triton.py)
 DOT_TILE = LinearTile(32, 128, 4, 4)
 # NOTE: one row only: at 4 and 8 rows the FMA path re-reads W per row and ran 0.22-0.72x cuBLAS
 FMA_MAX_ROWS = 1
