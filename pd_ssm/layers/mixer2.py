@@ -137,8 +137,8 @@ class Mamba2Mixer(nn.Module):
         boundary: NormBoundary | None = None,
     ) -> torch.Tensor | ScaledDelta | PendingBlock:
         """[T, hidden] -> [T, hidden]; with `defer_norm_scale`, the output still to be scaled per row,
-        or with `boundary` at one decode row the block boundary finished (module docstring). A
-        PendingNorm input comes from the previous block's PendingBlock: one decode row."""
+        or with `boundary` in a decode step the block boundary finished (module docstring). A
+        PendingNorm input comes from the previous block's PendingBlock: a decode step."""
         k = self.kernels
         rows = (hidden.x if isinstance(hidden, PendingNorm) else hidden).shape[0]
         defer = self.defer_norm_scale and meta.num_decodes < DEFER_BELOW_DECODE_ROWS
