@@ -31,14 +31,8 @@ from pd_ssm.kernels.launch import FastKernel
 from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 from pd_ssm.kernels.pending_norm import PendingNorm
 from pd_ssm.kernels.rmsnorm import RowRms
-from pd_ssm.kernels.skinny_linear_triton import (
-    MAX_ROWS,
-    LinearTile,
-    fma_gemv_main,
-    fma_gemv_pre,
-    fma_tile,
-    launch_dot,
-)
+from pd_ssm.kernels.skinny_gemm_triton import launch_dot
+from pd_ssm.kernels.skinny_linear_triton import MAX_ROWS, LinearTile, fma_gemv_main, fma_gemv_pre, fma_tile
 
 
 @triton.jit

@@ -6,9 +6,10 @@ split-K kernels plus a reduction for these shapes (two launches, 2.4-3.4 TB/s me
 Mamba2-2.7B decode step on an H200).  This kernel gives each program BLOCK_N output columns for all
 rows and streams their K-long weight rows through a software pipeline (num_stages), no split-K.
 
-  one row   ("FMA" path): acc[BLOCK_N, BLOCK_K] += W * x on the CUDA cores, reduced over K at the
-             end, one row of x at a time (the tensor cores gain nothing on a memory-bound GEMV)
-  more rows ("DOT" path): tl.dot of [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles, fp32 accumulate
+  one row   ("FMA" path, here): acc[BLOCK_N, BLOCK_K] += W * x on the CUDA cores, reduced over K at
+             the end, one row of x at a time (the tensor cores gain nothing on a memory-bound GEMV)
+  more rows ("DOT" path, skinny_gemm_triton.py): tl.dot of [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]
+             tiles, fp32 accumulate, K optionally split over programs
 
 Numerics: fp32 accumulation, one rounding to the output dtype, bias added in fp32 before it.
 Reference: `skinny_linear_ref` (torch.nn.functional.linear on fp32 upcasts, rounded once).
@@ -23,11 +24,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pd_ssm.kernels._grid import cdiv, pow2
+from pd_ssm.kernels._grid import cdiv
 from pd_ssm.kernels.launch import FastKernel
 from pd_ssm.kernels.linear import linear_ref
 from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 from pd_ssm.kernels.pending_norm import PendingNorm, check_pending_norm
+from pd_ssm.kernels.skinny_gemm_triton import launch_dot, launch_split_reduce
 
 MAX_ROWS = 256  # more rows than this: a real GEMM (cuBLAS) is the better tool
 
@@ -147,85 +149,7 @@ def _skinny_fma_kernel(
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-@triton.jit
-def _skinny_dot_kernel(
-    # pointers
-    x_ptr, w_ptr, b_ptr, y_ptr, ss_ptr,
-    # dimensions (K is specialized on: a layer's K never changes, and the loop bound is static)
-    M, N, K: tl.constexpr, n_ss, eps,
-    # strides (the last axes have stride 1)
-    stride_xm, stride_wn, stride_ym, stride_ss,
-    # meta-parameters
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, INTERPRETED: tl.constexpr,
-    IEEE: tl.constexpr, PENDING: tl.constexpr, SS_BLOCK: tl.constexpr,
-):
-    """SPLIT == 1: y = x W^T (+ bias) rounded once; else y_ptr is an fp32 [SPLIT, M, N] workspace of
-    partial sums over K_PER_SPLIT-long slices of K (bias and rounding left to the reduce kernel).
-    PENDING (SPLIT == 1): x is a pending norm's (pending_norm.py), ss_ptr [M, n_ss] its partial
-    squares: each row's sums are multiplied by the norm's scale before the bias."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
-        offs_k = pid_s * K_PER_SPLIT + k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        xv = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
-                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        w = tl.load(w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None],
-                    mask=n_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_N] (W^T)
-        if INTERPRETED or IEEE:  # the interpreter's bf16 dot multiplies raw bits: exact fp32 products
-            acc = tl.dot(xv.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xv, w, acc)
-    out_ok = m_ok[:, None] & n_ok[None, :]
-    if SPLIT == 1:
-        if PENDING:
-            offs_s = tl.arange(0, SS_BLOCK)
-            ss = tl.load(ss_ptr + offs_m.to(tl.int64)[:, None] * stride_ss + offs_s[None, :],
-                         mask=m_ok[:, None] & (offs_s < n_ss)[None, :], other=0.0)  # [BLOCK_M, SS_BLOCK]
-            acc *= (1.0 / tl.sqrt_rn(tl.sum(ss, axis=1) / K + eps))[:, None]
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=out_ok)
-    else:
-        part = y_ptr + (pid_s * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
-        tl.store(part, acc, mask=out_ok)
-
-
-@triton.jit
-def _split_reduce_kernel(
-    # pointers
-    ws_ptr, b_ptr, y_ptr,
-    # dimensions
-    M, N,
-    # strides
-    stride_ym,
-    # meta-parameters
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """y[m, n] = sum over s of ws[s, m, n] (+ bias[n]) in a fixed order: deterministic, unlike atomics."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] flat (m, n)
-    ok = offs < M * N
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        acc += tl.load(ws_ptr + s * M * N + offs, mask=ok, other=0.0)
-    m = offs // N
-    n = offs % N
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
-
-
 _SKINNY_FMA = FastKernel(_skinny_fma_kernel)
-_SKINNY_DOT = FastKernel(_skinny_dot_kernel)
-_SPLIT_REDUCE = FastKernel(_split_reduce_kernel)
 
 
 def skinny_linear_triton(
@@ -274,31 +198,8 @@ def skinny_linear_triton(
         out = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
         launch_dot(x, weight, out, t, bias=bias, pending=pending)
         if split > 1:
-            block = 1024
-            _SPLIT_REDUCE[(cdiv(M * N, block),)](
-                out, bias, y, M, N, y.stride(0), HAS_BIAS=bias is not None, SPLIT=split, BLOCK=block, num_warps=4,
-            )
+            launch_split_reduce(out, bias, y)
     return y
-
-
-def launch_dot(x: Tensor, weight: Tensor, out: Tensor, t: LinearTile, *, bias: Tensor | None = None,
-               pending: PendingNorm | None = None) -> None:
-    """The DOT path's GEMM (arguments checked by the caller): out = x W^T (+ bias) [M, N] in x's dtype
-    where t.split_k <= 1, else the fp32 partial sums [split, M, N] for a reduce launch to add up."""
-    M, K = x.shape
-    N = weight.shape[0]
-    block_m = min(64, max(16, pow2(M)))
-    split = max(1, t.split_k)
-    k_per_split = cdiv(cdiv(K, split), t.block_k) * t.block_k
-    ss = None if pending is None else pending.ss.contiguous()
-    n_ss = 0 if ss is None else ss.shape[1]
-    _SKINNY_DOT[(cdiv(N, t.block_n), cdiv(M, block_m), split)](
-        x, weight, bias, out, ss, M, N, K, n_ss, 0.0 if pending is None else float(pending.eps),
-        x.stride(0), weight.stride(0), out.stride(-2), 0 if ss is None else ss.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        K_PER_SPLIT=k_per_split, SPLIT=split, NUM_STAGES=t.num_stages, INTERPRETED=not x.is_cuda,
-        IEEE=x.dtype == torch.float32, PENDING=pending is not None, SS_BLOCK=pow2(n_ss), num_warps=t.num_warps,
-    )
 
 
 def fma_tile(n: int) -> LinearTile:
