@@ -45,8 +45,9 @@ from pd_ssm.models.base import CausalLM
 
 # vLLM's default ceiling: beyond it a decode batch runs eagerly (launch overhead is amortized)
 MAX_CAPTURE_SIZE = 256
-_STAGE_ROWS = 6  # input_ids, positions, slot_mapping, context_lens, seq_lens, state_indices
-_STAGE_WORDS = 9  # int32 words a row of the bucket: three int64 rows, three int32 rows
+# int32 words of the stage per row of a bucket: input_ids, positions, slot_mapping as int64 (two
+# words each), context_lens, seq_lens, state_indices as int32
+_STAGE_WORDS = 9
 
 
 class GraphCaptureError(RuntimeError):
