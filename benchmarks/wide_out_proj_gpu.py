@@ -1,7 +1,13 @@
-"""The batch-32 decode chain with out_proj on cuBLAS against the Triton split-K GEMM
-(skinny_linear_triton's DOT path, partials summed by its own reduce launch): whether a pending norm
-at 32 rows (the reduce doing the residual add, as out_proj_add does at one row) could start from a
-GEMM that keeps up with cuBLAS inside the chain.
+"""The decode chain at a few rows: out_proj on cuBLAS against the Triton split-K GEMM
+(skinny_gemm_triton.py, partials summed by its own reduce launch), and the pending norm's chain
+(kernels/pending_norm.py, main since session 18) with other GEMM tiles.
+
+Part 1 (session 18, call 9): whether a pending norm at 32 rows (the reduce doing the residual add,
+as out_proj_add does at one row) could start from a GEMM that keeps up with cuBLAS in the chain.
+Part 2 (WIDE_PENDING=1): at WIDE_ROWS rows (default 8 and 32), the engine's chain before the
+pending norm (norm launch, cuBLAS in_proj, conv + gated state update, cuBLAS out_proj) against the
+pending chain (in_proj on the DOT path with the scale, conv, gated state update, split-K out_proj
+with the add) over in_proj and out_proj tiles.
 
 Mamba2-2.7B shape, bf16, fp32 state and residual, 32 sequences, 32 layers on their own weights and
 pools, one CUDA graph, PDL as the engine runs it; per layer: add_rms_norm (deferred gated-norm
@@ -10,6 +16,7 @@ out_proj. µs per layer, median of 7 replays; variants alternate, each twice; ea
 residual is compared with cuBLAS's (the K split sums in another order: close, not equal).
 
     PYTHONPATH=. python3 benchmarks/wide_out_proj_gpu.py     (CUDA only; JSON to $OUT/wide_out_proj.json)
+    WIDE_PENDING=1 WIDE_ROWS=8,32 PYTHONPATH=. python3 benchmarks/wide_out_proj_gpu.py     (part 2)
 """
 
 from __future__ import annotations
@@ -22,7 +29,10 @@ from typing import Any
 import torch
 
 from benchmarks.linear_gpu import graph_time_us
+from pd_ssm.kernels.in_proj_conv_triton import in_proj_conv_triton
 from pd_ssm.kernels.mixer_decode_triton import mamba2_decode_step_triton
+from pd_ssm.kernels.out_proj_add_triton import WIDE_TILE, out_proj_add_triton
+from pd_ssm.kernels.pending_norm import PendingNorm
 from pd_ssm.kernels.rmsnorm import RowRms
 from pd_ssm.kernels.rmsnorm_triton import add_rms_norm_triton
 from pd_ssm.kernels.skinny_linear_triton import LinearTile, skinny_linear_triton
@@ -31,17 +41,18 @@ HID, H, P, N, G, W = 2560, 80, 64, 128, 1, 4
 D_INNER, CONV_DIM = H * P, H * P + 2 * G * N
 PROJ = D_INNER + CONV_DIM + H
 EPS = 1e-5
-L, B = 32, 32
+L = 32
 
 
 class Wide:
-    def __init__(self, dev: torch.device) -> None:
+    def __init__(self, dev: torch.device, B: int = 32) -> None:
         def r(*shape: int, scale: float = 1.0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
             return (torch.randn(*shape, device=dev) * scale).to(dtype)
 
         self.w_in = [r(PROJ, HID, scale=HID ** -0.5) for _ in range(L)]
         self.w_out = [r(HID, D_INNER, scale=D_INNER ** -0.5) for _ in range(L)]
         self.norm_w = 1 + r(HID, scale=0.1)
+        self.B = B
         self.conv = [r(B, CONV_DIM, W - 1) for _ in range(L)]
         self.ssm = [r(B, H, P, N, scale=0.1, dtype=torch.float32) for _ in range(L)]
         self.snap = [(c.clone(), s.clone()) for c, s in zip(self.conv, self.ssm, strict=True)]
@@ -72,6 +83,21 @@ class Wide:
         return add_rms_norm_triton(delta, residual, self.norm_w, EPS, residual_dtype=torch.float32,
                                    x_rms=x_rms).residual
 
+    def run_pending(self, tiles: tuple[LinearTile | None, LinearTile | None], _: int = 0) -> torch.Tensor:
+        """The pending chain: tiles = (in_proj's DOT tile, out_proj's split-K tile); None: the defaults."""
+        normed, residual = add_rms_norm_triton(self.delta, self.residual, self.norm_w, EPS,
+                                               residual_dtype=torch.float32, x_rms=RowRms(self.sq, D_INNER, EPS))
+        hidden: torch.Tensor | PendingNorm = normed
+        for i in range(L):
+            proj, xbc = in_proj_conv_triton(hidden, self.w_in[i], None, self.conv[i], self.cw, self.cb,
+                                            state_indices=self.slots, conv_start=D_INNER,
+                                            tile=tiles[0] if isinstance(hidden, PendingNorm) else None)
+            gs = mamba2_decode_step_triton(proj, self.conv[i], self.cw, self.cb, self.ssm[i], self.A, self.D,
+                                           self.dt_bias, self.gate_w, state_indices=self.slots, ngroups=G, xbc=xbc)
+            residual, hidden = out_proj_add_triton(gs.g, self.w_out[i], RowRms(gs.sq, D_INNER, EPS), residual,
+                                                   self.norm_w, EPS, residual_dtype=torch.float32, tile=tiles[1])
+        return residual
+
 
 TILES: dict[str, LinearTile | None] = {
     "cuBLAS": None,
@@ -84,10 +110,54 @@ TILES: dict[str, LinearTile | None] = {
 }
 
 
+PENDING_TILES: dict[str, tuple[LinearTile | None, LinearTile | None]] = {
+    "pending, defaults (in 32x128 s4, out 32x128 split 4)": (None, None),
+    "pending, in 64x128 s4": (LinearTile(64, 128, 4, 4), None),
+    "pending, in 16x256 s3": (LinearTile(16, 256, 4, 3), None),
+    "pending, in 32x64 s5": (LinearTile(32, 64, 4, 5), None),
+    "pending, in 64x64 s4 w4": (LinearTile(64, 64, 4, 4), None),
+    "pending, out 64x64 split 8": (None, LinearTile(64, 64, 4, 4, split_k=8)),
+    "pending, out 32x128 split 2": (None, WIDE_TILE._replace(split_k=2)),
+}
+
+
+def pending_part(out: Path) -> None:
+    """Part 2 (module docstring): µs per layer, variants alternating, two rounds."""
+    results: list[dict[str, Any]] = []
+    for rows in (int(r) for r in os.environ.get("WIDE_ROWS", "8,32").split(",")):
+        chain = Wide(torch.device("cuda"), rows)
+        want: torch.Tensor | None = None
+        for rnd in range(2):
+            for name, tiles in {"norm launch, cuBLAS": None, **PENDING_TILES}.items():
+                chain.restore()
+                try:
+                    if tiles is None:
+                        got = chain.run(None).clone()
+                        us = graph_time_us(chain.run, None, [0]) / L
+                    else:
+                        got = chain.run_pending(tiles).clone()
+                        us = graph_time_us(chain.run_pending, tiles, [0]) / L
+                    torch.cuda.synchronize()
+                except Exception as e:  # noqa: BLE001 -- a variant that fails to compile or capture is reported
+                    print(f"{rows:3} rows {name:54} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    continue
+                want = got if want is None else want
+                rel = float((got - want).norm() / want.norm())
+                results.append({"rows": rows, "variant": name, "round": rnd, "us_per_layer": us, "rel_diff": rel})
+                print(f"{rows:3} rows {name:54} round {rnd} {us:7.2f} us/layer  residual rel diff {rel:.2e}",
+                      flush=True)
+        del chain
+        torch.cuda.empty_cache()
+    (out / "wide_pending.json").write_text(json.dumps(results, indent=1))
+
+
 def main() -> None:
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
+    if os.environ.get("WIDE_PENDING") == "1":
+        pending_part(out)
+        return
     chain = Wide(torch.device("cuda"))
     results: list[dict[str, Any]] = []
     want: torch.Tensor | None = None

@@ -133,7 +133,8 @@ def in_proj_conv_triton(
 ) -> tuple[Tensor, Tensor]:
     """Triton `in_proj_conv_ref` (shapes there). `fused`: None picks the one-launch kernel where it
     serves (`fusable`), True forces it (tests, in Triton's interpreter too), False the two launches.
-    `tile`: the GEMV's (default skinny_linear_triton.fma_tile's), for sweeps."""
+    `tile`, for sweeps: the one-launch GEMV's (default skinny_linear_triton.fma_tile's), or the DOT
+    path's for a pending norm of more rows (default skinny_linear_triton.DOT_TILE)."""
     pending = hidden if isinstance(hidden, PendingNorm) else None
     if pending is not None:
         check_pending_norm("in_proj_conv", pending)
@@ -148,7 +149,7 @@ def in_proj_conv_triton(
         if pending is None:
             proj = linear_triton(x, weight, bias)
         elif B > FMA_MAX_ROWS:
-            proj = skinny_linear_triton(pending, weight, bias)  # the DOT path applies the pending scale
+            proj = skinny_linear_triton(pending, weight, bias, tile=tile)  # the DOT path applies the scale
         else:
             proj = linear_pending_ref(pending, weight, bias)
         return proj, causal_conv1d_update_triton(proj[:, conv_start:conv_start + conv_dim], conv_state, conv_weight,
