@@ -29,8 +29,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.decode_layers import D_INNER, EPS, HID, PROJ, DecodeLayers, G, H, N, P, time_chain
 from benchmarks.graph_timeline_gpu import attribute, kernels_of
-from benchmarks.linear_gpu import graph_time_us
 from pd_ssm.kernels.in_proj_conv_triton import in_proj_conv_triton
 from pd_ssm.kernels.mixer_decode_triton import default_config, launch_decode_step
 from pd_ssm.kernels.out_proj_add_triton import out_proj_add_triton
@@ -40,10 +40,6 @@ from pd_ssm.kernels.rmsnorm_triton import add_rms_norm_triton
 from pd_ssm.kernels.skinny_linear_triton import FMA_TILE, FMA_TILE_NARROW, LinearTile, skinny_linear_triton
 from pd_ssm.kernels.ssu_triton import SSUConfig
 
-HID, H, P, N, G, W = 2560, 80, 64, 128, 1, 4
-D_INNER, CONV_DIM = H * P, H * P + 2 * G * N
-PROJ = D_INNER + CONV_DIM + H
-EPS = 1e-5
 L = 64
 
 
@@ -55,33 +51,15 @@ class Variant(NamedTuple):
     ssu: SSUConfig | None = None  # None: mixer_decode_triton.default_config
 
 
-class Chain:
-    """L layers' weights and pools; `run` is one decode step's layers."""
+class Chain(DecodeLayers):
+    """L layers at one sequence; `run` is one decode step's layers."""
 
     def __init__(self, dev: torch.device) -> None:
-        def r(*shape: int, scale: float = 1.0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-            return (torch.randn(*shape, device=dev) * scale).to(dtype)
-
-        self.w_in = [r(PROJ, HID, scale=HID ** -0.5) for _ in range(L)]
-        self.w_out = [r(HID, D_INNER, scale=D_INNER ** -0.5) for _ in range(L)]
-        self.norm_w = [1 + r(HID, scale=0.1) for _ in range(L)]
-        self.conv = [r(1, CONV_DIM, W - 1) for _ in range(L)]
-        self.ssm = [r(1, H, P, N, scale=0.1, dtype=torch.float32) for _ in range(L)]
-        self.snap = [(c.clone(), s.clone()) for c, s in zip(self.conv, self.ssm, strict=True)]
-        self.cw, self.cb = r(CONV_DIM, W, scale=0.5), r(CONV_DIM, scale=0.1)
-        self.A = -torch.rand(H, device=dev) - 0.5
-        self.D, self.dt_bias = r(H, dtype=torch.float32), r(H, scale=0.5, dtype=torch.float32)
-        self.gate_w = 1 + r(D_INNER, scale=0.1)
-        self.slots = torch.zeros(1, dtype=torch.int32, device=dev)
-        self.residual = r(1, HID, dtype=torch.float32)
-        self.delta = r(1, HID)
+        super().__init__(L, 1, dev)
+        self.residual = self.rand(1, HID, dtype=torch.float32)
+        self.delta = self.rand(1, HID)
         self.sq = torch.rand(1, 4 * H, device=dev) * D_INNER / (4 * H)
         self.cfg = default_config(1, P, N, torch.float32)
-
-    def restore(self) -> None:
-        for (c0, s0), c, s in zip(self.snap, self.conv, self.ssm, strict=True):
-            c.copy_(c0)
-            s.copy_(s0)
 
     def run(self, v: Variant, _: int = 0) -> torch.Tensor:
         x_rms = RowRms(self.sq, D_INNER, EPS)
@@ -156,11 +134,8 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     first: torch.Tensor | None = None
     for v in variants():
-        chain.restore()
         try:
-            got = chain.run(v).clone()
-            torch.cuda.synchronize()
-            us = graph_time_us(chain.run, v, [0]) / L
+            got, us = time_chain(chain, chain.run, v)
         except Exception as e:  # noqa: BLE001 -- a variant that fails to compile or capture is reported
             print(f"{v.name:52} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
             results.append({"variant": v.name, "error": str(e)[:1000]})

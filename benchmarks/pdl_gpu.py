@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from benchmarks.linear_gpu import graph_time_us
+from benchmarks.decode_layers import CONV_DIM, D_INNER, EPS, HID, PROJ, DecodeLayers, G, H, N, P, time_chain
 from pd_ssm.kernels.conv1d_triton import causal_conv1d_update_triton
 from pd_ssm.kernels.mixer_decode_triton import default_config, launch_decode_step
 from pd_ssm.kernels.rmsnorm import RowRms
@@ -40,40 +40,16 @@ from pd_ssm.kernels.rmsnorm_triton import add_rms_norm_triton, rms_norm_gated_tr
 from pd_ssm.kernels.skinny_linear_triton import FMA_TILE, FMA_TILE_NARROW, LinearTile, skinny_linear_triton
 from pd_ssm.kernels.ssu_triton import selective_state_update_triton
 
-HID, H, P, N, G, W = 2560, 80, 64, 128, 1, 4
-D_INNER, CONV_DIM = H * P, H * P + 2 * G * N
-PROJ = D_INNER + CONV_DIM + H
-EPS = 1e-5
 
-
-class Chain:
-    """L layers' weights and pools, and the whole chain over them."""
+class Chain(DecodeLayers):
+    """L layers at one sequence, and the whole chain over them."""
 
     def __init__(self, L: int, dev: torch.device) -> None:
-        def r(*shape: int, scale: float = 1.0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-            return (torch.randn(*shape, device=dev) * scale).to(dtype)
-
-        self.L = L
-        self.w_in = [r(PROJ, HID, scale=HID ** -0.5) for _ in range(L)]
-        self.w_out = [r(HID, D_INNER, scale=D_INNER ** -0.5) for _ in range(L)]
-        self.norm_w = [1 + r(HID, scale=0.1) for _ in range(L)]
-        self.conv = [r(1, CONV_DIM, W - 1) for _ in range(L)]
-        self.ssm = [r(1, H, P, N, scale=0.1, dtype=torch.float32) for _ in range(L)]
-        self.snap = [(c.clone(), s.clone()) for c, s in zip(self.conv, self.ssm, strict=True)]
-        self.cw, self.cb = r(CONV_DIM, W, scale=0.5), r(CONV_DIM, scale=0.1)
-        self.A = -torch.rand(H, device=dev) - 0.5
-        self.D, self.dt_bias = r(H, dtype=torch.float32), r(H, scale=0.5, dtype=torch.float32)
-        self.gate_w = 1 + r(D_INNER, scale=0.1)
-        self.slots = torch.zeros(1, dtype=torch.int32, device=dev)
-        self.residual = r(1, HID)
-        self.delta = r(1, HID)
+        super().__init__(L, 1, dev)
+        self.residual = self.rand(1, HID)
+        self.delta = self.rand(1, HID)
         self.sq = torch.rand(1, H, device=dev) * D_INNER
         self.cfg = default_config(1, P, N, torch.float32)
-
-    def restore(self) -> None:
-        for (c0, s0), c, s in zip(self.snap, self.conv, self.ssm, strict=True):
-            c.copy_(c0)
-            s.copy_(s0)
 
     def run(self, v: Variant, _: int = 0) -> torch.Tensor:
         delta, residual, x_rms = self.delta, self.residual, RowRms(self.sq, D_INNER, EPS)
@@ -111,36 +87,19 @@ def variants(sweep: bool) -> list[Variant]:
     return out
 
 
-class Wide:
+class Wide(DecodeLayers):
     """The step at 32 / 128 rows: the three-kernel path between cuBLAS projections (DEFER_BELOW_DECODE_ROWS)."""
 
     def __init__(self, batch: int, L: int, dev: torch.device) -> None:
-        def r(*shape: int, scale: float = 1.0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-            return (torch.randn(*shape, device=dev) * scale).to(dtype)
-
-        self.batch, self.L = batch, L
-        self.w_in = [r(PROJ, HID, scale=HID ** -0.5) for _ in range(L)]
-        self.w_out = [r(HID, D_INNER, scale=D_INNER ** -0.5) for _ in range(L)]
-        self.norm_w = 1 + r(HID, scale=0.1)
-        self.conv = [r(batch, CONV_DIM, W - 1) for _ in range(L)]
-        self.ssm = [r(batch, H, P, N, scale=0.1, dtype=torch.float32) for _ in range(L)]
-        self.cw, self.cb = r(CONV_DIM, W, scale=0.5), r(CONV_DIM, scale=0.1)
-        self.A = -torch.rand(H, device=dev) - 0.5
-        self.D, self.dt_bias = r(H, dtype=torch.float32), r(H, scale=0.5, dtype=torch.float32)
-        self.gate_w = 1 + r(D_INNER, scale=0.1)
-        self.snap = [(c.clone(), s.clone()) for c, s in zip(self.conv, self.ssm, strict=True)]
-        self.slots = torch.randperm(batch, device=dev).to(torch.int32)
-        self.residual, self.delta = r(batch, HID), r(batch, HID)
-
-    def restore(self) -> None:
-        for (c0, s0), c, s in zip(self.snap, self.conv, self.ssm, strict=True):
-            c.copy_(c0)
-            s.copy_(s0)
+        super().__init__(L, batch, dev)
+        self.batch = batch
+        self.residual, self.delta = self.rand(batch, HID), self.rand(batch, HID)
 
     def run(self, _v: object = None, _i: int = 0) -> torch.Tensor:
         b, delta, residual = self.batch, self.delta, self.residual
         for i in range(self.L):
-            normed, residual = add_rms_norm_triton(delta, residual, self.norm_w, EPS, residual_dtype=torch.bfloat16)
+            normed, residual = add_rms_norm_triton(delta, residual, self.norm_w[i], EPS,
+                                                   residual_dtype=torch.bfloat16)
             proj = torch.nn.functional.linear(normed, self.w_in[i])
             z, xbc, dt = proj.split([D_INNER, CONV_DIM, H], dim=-1)
             xbc = causal_conv1d_update_triton(xbc, self.conv[i], self.cw, self.cb, state_indices=self.slots)
@@ -165,18 +124,15 @@ def main() -> None:
     want: torch.Tensor | None = None
     for v in variants("--sweep" in sys.argv):
         os.environ["PD_SSM_PDL"] = "1" if v.pdl else "0"
-        chain.restore()
         try:
-            got = chain.run(v)
-            torch.cuda.synchronize()
-            us = graph_time_us(chain.run, v, [0])  # the whole chain once per replay
+            got, us = time_chain(chain, chain.run, v)
         except Exception as e:  # noqa: BLE001 -- a variant that fails to compile or capture is reported
             print(f"{v.name:44} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
             results.append({"batch": 1, "variant": v.name, "error": str(e)[:1000]})
             continue
         if want is None:
             want = got
-        row = {"batch": 1, "variant": v.name, "us_per_layer": us / L, "gbps": moved / (us / L) / 1e3,
+        row = {"batch": 1, "variant": v.name, "us_per_layer": us, "gbps": moved / us / 1e3,
                "equal_to_no_pdl": bool(torch.equal(got, want)),
                "max_abs_diff": float((got.float() - want.float()).abs().max())}
         results.append(row)
@@ -189,9 +145,7 @@ def main() -> None:
         outs = {}
         for pdl in ("0", "1", "0", "1"):
             os.environ["PD_SSM_PDL"] = pdl
-            wide.restore()
-            outs[pdl] = wide.run()
-            us = graph_time_us(wide.run, None, [0]) / layers
+            outs[pdl], us = time_chain(wide, wide.run, None)
             results.append({"batch": batch, "variant": f"three kernels, PDL={pdl}", "us_per_layer": us})
             print(f"batch {batch:3} three kernels between cuBLAS, PDL={pdl}: {us:8.2f} us/layer", flush=True)
         print(f"batch {batch:3}: PDL output equal: {bool(torch.equal(outs['0'], outs['1']))}", flush=True)

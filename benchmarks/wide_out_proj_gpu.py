@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.linear_gpu import graph_time_us
+from benchmarks.decode_layers import D_INNER, EPS, HID, DecodeLayers, G, H, time_chain
 from pd_ssm.kernels.in_proj_conv_triton import in_proj_conv_triton
 from pd_ssm.kernels.mixer_decode_triton import mamba2_decode_step_triton
 from pd_ssm.kernels.out_proj_add_triton import WIDE_TILE, out_proj_add_triton
@@ -37,42 +37,19 @@ from pd_ssm.kernels.rmsnorm import RowRms
 from pd_ssm.kernels.rmsnorm_triton import add_rms_norm_triton
 from pd_ssm.kernels.skinny_linear_triton import LinearTile, skinny_linear_triton
 
-HID, H, P, N, G, W = 2560, 80, 64, 128, 1, 4
-D_INNER, CONV_DIM = H * P, H * P + 2 * G * N
-PROJ = D_INNER + CONV_DIM + H
-EPS = 1e-5
 L = 32
 
 
-class Wide:
+class Wide(DecodeLayers):
     def __init__(self, dev: torch.device, B: int = 32) -> None:
-        def r(*shape: int, scale: float = 1.0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-            return (torch.randn(*shape, device=dev) * scale).to(dtype)
-
-        self.w_in = [r(PROJ, HID, scale=HID ** -0.5) for _ in range(L)]
-        self.w_out = [r(HID, D_INNER, scale=D_INNER ** -0.5) for _ in range(L)]
-        self.norm_w = 1 + r(HID, scale=0.1)
-        self.B = B
-        self.conv = [r(B, CONV_DIM, W - 1) for _ in range(L)]
-        self.ssm = [r(B, H, P, N, scale=0.1, dtype=torch.float32) for _ in range(L)]
-        self.snap = [(c.clone(), s.clone()) for c, s in zip(self.conv, self.ssm, strict=True)]
-        self.cw, self.cb = r(CONV_DIM, W, scale=0.5), r(CONV_DIM, scale=0.1)
-        self.A = -torch.rand(H, device=dev) - 0.5
-        self.D, self.dt_bias = r(H, dtype=torch.float32), r(H, scale=0.5, dtype=torch.float32)
-        self.gate_w = 1 + r(D_INNER, scale=0.1)
-        self.slots = torch.randperm(B, device=dev).to(torch.int32)
-        self.residual, self.delta = r(B, HID, dtype=torch.float32), r(B, HID)
+        super().__init__(L, B, dev)
+        self.residual, self.delta = self.rand(B, HID, dtype=torch.float32), self.rand(B, HID)
         self.sq = torch.rand(B, 4 * H, device=dev) * D_INNER / (4 * H)
-
-    def restore(self) -> None:
-        for (c0, s0), c, s in zip(self.snap, self.conv, self.ssm, strict=True):
-            c.copy_(c0)
-            s.copy_(s0)
 
     def run(self, tile: LinearTile | None, _: int = 0) -> torch.Tensor:
         delta, residual, x_rms = self.delta, self.residual, RowRms(self.sq, D_INNER, EPS)
         for i in range(L):
-            normed, residual = add_rms_norm_triton(delta, residual, self.norm_w, EPS, residual_dtype=torch.float32,
+            normed, residual = add_rms_norm_triton(delta, residual, self.norm_w[i], EPS, residual_dtype=torch.float32,
                                                    x_rms=x_rms)
             proj = torch.nn.functional.linear(normed, self.w_in[i])
             gs = mamba2_decode_step_triton(proj, self.conv[i], self.cw, self.cb, self.ssm[i], self.A, self.D,
@@ -80,12 +57,12 @@ class Wide:
             x_rms = RowRms(gs.sq, D_INNER, EPS)
             delta = (torch.nn.functional.linear(gs.g, self.w_out[i]) if tile is None
                      else skinny_linear_triton(gs.g, self.w_out[i], tile=tile))
-        return add_rms_norm_triton(delta, residual, self.norm_w, EPS, residual_dtype=torch.float32,
+        return add_rms_norm_triton(delta, residual, self.norm_w[0], EPS, residual_dtype=torch.float32,
                                    x_rms=x_rms).residual
 
     def run_pending(self, tiles: tuple[LinearTile | None, LinearTile | None], _: int = 0) -> torch.Tensor:
         """The pending chain: tiles = (in_proj's DOT tile, out_proj's split-K tile); None: the defaults."""
-        normed, residual = add_rms_norm_triton(self.delta, self.residual, self.norm_w, EPS,
+        normed, residual = add_rms_norm_triton(self.delta, self.residual, self.norm_w[0], EPS,
                                                residual_dtype=torch.float32, x_rms=RowRms(self.sq, D_INNER, EPS))
         hidden: torch.Tensor | PendingNorm = normed
         for i in range(L):
@@ -95,7 +72,8 @@ class Wide:
             gs = mamba2_decode_step_triton(proj, self.conv[i], self.cw, self.cb, self.ssm[i], self.A, self.D,
                                            self.dt_bias, self.gate_w, state_indices=self.slots, ngroups=G, xbc=xbc)
             residual, hidden = out_proj_add_triton(gs.g, self.w_out[i], RowRms(gs.sq, D_INNER, EPS), residual,
-                                                   self.norm_w, EPS, residual_dtype=torch.float32, tile=tiles[1])
+                                                   self.norm_w[(i + 1) % L], EPS, residual_dtype=torch.float32,
+                                                   tile=tiles[1])
         return residual
 
 
@@ -129,15 +107,9 @@ def pending_part(out: Path) -> None:
         want: torch.Tensor | None = None
         for rnd in range(2):
             for name, tiles in {"norm launch, cuBLAS": None, **PENDING_TILES}.items():
-                chain.restore()
                 try:
-                    if tiles is None:
-                        got = chain.run(None).clone()
-                        us = graph_time_us(chain.run, None, [0]) / L
-                    else:
-                        got = chain.run_pending(tiles).clone()
-                        us = graph_time_us(chain.run_pending, tiles, [0]) / L
-                    torch.cuda.synchronize()
+                    got, us = (time_chain(chain, chain.run, None) if tiles is None
+                               else time_chain(chain, chain.run_pending, tiles))
                 except Exception as e:  # noqa: BLE001 -- a variant that fails to compile or capture is reported
                     print(f"{rows:3} rows {name:54} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     continue
@@ -163,11 +135,8 @@ def main() -> None:
     want: torch.Tensor | None = None
     for rnd in range(2):
         for name, tile in TILES.items():
-            chain.restore()
             try:
-                got = chain.run(tile).clone()
-                torch.cuda.synchronize()
-                us = graph_time_us(chain.run, tile, [0]) / L
+                got, us = time_chain(chain, chain.run, tile)
             except Exception as e:  # noqa: BLE001 -- a variant that fails to compile or capture is reported
                 print(f"{name:28} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
