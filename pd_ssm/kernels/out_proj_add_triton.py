@@ -31,8 +31,23 @@ from pd_ssm.kernels.launch import FastKernel
 from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 from pd_ssm.kernels.pending_norm import PendingNorm
 from pd_ssm.kernels.rmsnorm import RowRms
+from pd_ssm.kernels.rmsnorm_triton import _row_scale
 from pd_ssm.kernels.skinny_gemm_triton import launch_dot
 from pd_ssm.kernels.skinny_linear_triton import MAX_ROWS, LinearTile, fma_gemv_main, fma_gemv_pre, fma_tile
+
+
+@triton.jit
+def _add_and_leave_pending(out, r, res, nw, res_out, x_out, ss_out, n_ok):
+    """The epilogue both kernels share, on a block of columns: res_out = residual + out * r (fp32 sum,
+    one rounding to the residual's dtype), then for the next norm x_out = weight * that residual
+    (the residual rounded to the weight's dtype, the product rounded once) and *ss_out = the sum of
+    its squares over the block."""
+    rdt = res_out.dtype.element_ty
+    new = (res.to(rdt).to(tl.float32) + out * r).to(rdt)
+    tl.store(res_out, new, mask=n_ok)
+    h = new.to(nw.dtype).to(tl.float32)  # the norm rounds the residual to its dtype
+    tl.store(x_out, (nw.to(tl.float32) * h).to(x_out.dtype.element_ty), mask=n_ok)
+    tl.store(ss_out, tl.sum(tl.where(n_ok, h * h, 0.0), axis=0))
 
 
 @triton.jit
@@ -62,12 +77,7 @@ def _out_proj_add_kernel(
     y = fma_gemv_main(g_ptr, w_pre, w_rows, n_ok, K, BLOCK_N, BLOCK_K, NUM_STAGES, PRE_K)
     out = y.to(g_ptr.dtype.element_ty).to(tl.float32)  # out_proj's output as the GEMV stores it
     r = 1.0 / tl.sqrt_rn(tl.sum(sq, axis=0) / width + eps)
-    rdt = res_out_ptr.dtype.element_ty
-    new = (res.to(rdt).to(tl.float32) + out * r).to(rdt)
-    tl.store(res_out_ptr + offs_n, new, mask=n_ok)
-    h = new.to(nw_ptr.dtype.element_ty).to(tl.float32)  # the norm rounds the residual to its dtype
-    tl.store(x_out_ptr + offs_n, (nw.to(tl.float32) * h).to(x_out_ptr.dtype.element_ty), mask=n_ok)
-    tl.store(ss_ptr + pid, tl.sum(tl.where(n_ok, h * h, 0.0), axis=0))
+    _add_and_leave_pending(out, r, res, nw, res_out_ptr + offs_n, x_out_ptr + offs_n, ss_ptr + pid, n_ok)
 
 
 @triton.jit
@@ -90,19 +100,14 @@ def _split_reduce_add_kernel(
     n_ok = offs_n < N
     res = tl.load(res_ptr + m * stride_res + offs_n, mask=n_ok, other=0.0)
     nw = tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0)
-    offs_q = tl.arange(0, SQ_BLOCK)
-    sq = tl.load(sq_ptr + m * stride_sq + offs_q, mask=offs_q < n_sq, other=0.0)
     y = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
         y += tl.load(ws_ptr + (s * M + m) * N + offs_n, mask=n_ok, other=0.0)
+    # NOTE: after the partials' loads are issued, so their latency and the squares' overlap
+    r = _row_scale(sq_ptr, m, stride_sq, n_sq, width, eps, True, SQ_BLOCK)
     out = y.to(x_out_ptr.dtype.element_ty).to(tl.float32)  # out_proj's output as the GEMM stores it
-    r = 1.0 / tl.sqrt_rn(tl.sum(sq, axis=0) / width + eps)
-    rdt = res_out_ptr.dtype.element_ty
-    new = (res.to(rdt).to(tl.float32) + out * r).to(rdt)
-    tl.store(res_out_ptr + m * stride_res + offs_n, new, mask=n_ok)
-    h = new.to(nw_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(x_out_ptr + m * stride_res + offs_n, (nw.to(tl.float32) * h).to(x_out_ptr.dtype.element_ty), mask=n_ok)
-    tl.store(ss_ptr + m * stride_ss + pid, tl.sum(tl.where(n_ok, h * h, 0.0), axis=0))
+    row = m * stride_res + offs_n
+    _add_and_leave_pending(out, r, res, nw, res_out_ptr + row, x_out_ptr + row, ss_ptr + m * stride_ss + pid, n_ok)
 
 
 _OUT_PROJ_ADD = FastKernel(_out_proj_add_kernel)
