@@ -16,7 +16,7 @@ read and written) over that time. Each variant's last residual is compared with 
 variant's (the pending norm rounds differently: close, not equal).
 
     PYTHONPATH=. python3 benchmarks/decode_chain_gpu.py     (CUDA only; JSON to $OUT/decode_chain.json)
-    CHAIN_VARIANTS="norm launch,pending norm" ...            (those variants only)
+    CHAIN_VARIANTS="norm launch;pending norm" CHAIN_ROUNDS=3 ...   (those variants only, three rounds)
 """
 
 from __future__ import annotations
@@ -27,10 +27,20 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.decode_layers import D_INNER, EPS, HID, PROJ, DecodeLayers, G, H, N, P, time_chain
-from benchmarks.graph_timeline_gpu import attribute, kernels_of
+from benchmarks.decode_layers import (
+    D_INNER,
+    EPS,
+    HID,
+    PROJ,
+    DecodeLayers,
+    G,
+    H,
+    N,
+    P,
+    profile_replay,
+    time_chain,
+)
 from pd_ssm.kernels.in_proj_conv_triton import in_proj_conv_triton
 from pd_ssm.kernels.mixer_decode_triton import default_config, launch_decode_step
 from pd_ssm.kernels.out_proj_add_triton import out_proj_add_triton
@@ -98,30 +108,11 @@ def variants() -> list[Variant]:
         tag = f"out_proj {t.block_n}x{t.block_k} s{t.num_stages} pre {t.prefetch_k}"
         out.append(Variant(f"pending norm, {tag}", True, out_tile=t))
     out += [Variant("norm launch (again)", False), Variant("pending norm (again)", True)]
-    only = os.environ.get("CHAIN_VARIANTS")  # a comma-separated subset of the names, for A/B calls
-    return out if not only else [v for v in out if v.name in only.split(",")]
+    only = os.environ.get("CHAIN_VARIANTS")  # a ";"-separated subset of the names, for A/B calls
+    return out if not only else [v for v in out if v.name in only.split(";")]
 
 
 PROFILED = ("norm launch", "pending norm")
-
-
-def profile_replay(chain: Chain, v: Variant) -> list[dict[str, Any]]:
-    """Each kernel's own and attributed µs per layer in two replays of the chain's graph
-    (graph_timeline_gpu.attribute), printed."""
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        chain.run(v)
-    g.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            g.replay()
-        torch.cuda.synchronize()
-    rows = attribute(kernels_of(prof), 2 * L)
-    for r in rows[:6]:
-        print(f"    x{r['launches']:5.2f} own {r['own_us']:6.2f} attributed {r['attributed_us']:6.2f} idle "
-              f"{r['idle_before_us']:5.2f}  {r['kernel']}", flush=True)
-    return rows
 
 
 def main() -> None:
@@ -133,7 +124,9 @@ def main() -> None:
     moved = (PROJ * HID + HID * D_INNER) * 2 + 2 * H * P * N * 4  # bytes a layer: weights + state r/w
     results: list[dict[str, Any]] = []
     first: torch.Tensor | None = None
-    for v in variants():
+    done: set[str] = set()  # variants profiled (once)
+    rounds = int(os.environ.get("CHAIN_ROUNDS", "1"))  # the variant list run this many times, interleaved
+    for v in variants() * rounds:
         try:
             got, us = time_chain(chain, chain.run, v)
         except Exception as e:  # noqa: BLE001 -- a variant that fails to compile or capture is reported
@@ -145,8 +138,9 @@ def main() -> None:
         row = {"variant": v.name, "us_per_layer": us, "gbps": moved / us / 1e3, "rel_diff_to_first": rel}
         results.append(row)
         print(f"{v.name:52} {us:7.2f} us/layer  {row['gbps']:6.0f} GB/s  residual rel diff {rel:.2e}", flush=True)
-        if v.name in PROFILED:
-            row["kernels"] = profile_replay(chain, v)
+        if v.name in PROFILED and v.name not in done:
+            done.add(v.name)
+            row["kernels"] = profile_replay(chain, chain.run, v)
     (out / "decode_chain.json").write_text(json.dumps(results, indent=1))
 
 

@@ -58,3 +58,27 @@ def time_chain(layers: DecodeLayers, run: Callable[[Any, int], torch.Tensor], ar
     got = run(arg, 0).clone()
     torch.cuda.synchronize()
     return got, graph_time_us(run, arg, [0]) / layers.L
+
+
+def profile_replay(layers: DecodeLayers, run: Callable[[Any, int], torch.Tensor], arg: Any) -> list[dict[str, Any]]:
+    """Each kernel's own and attributed µs per layer in two replays of `run(arg)`'s graph
+    (graph_timeline_gpu.attribute: PDL overlap counted once), the first six printed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.graph_timeline_gpu import attribute, kernels_of
+
+    layers.restore()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run(arg, 0)
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            g.replay()
+        torch.cuda.synchronize()
+    rows = attribute(kernels_of(prof), 2 * layers.L)
+    for r in rows[:6]:
+        print(f"    x{r['launches']:5.2f} own {r['own_us']:6.2f} attributed {r['attributed_us']:6.2f} idle "
+              f"{r['idle_before_us']:5.2f}  {r['kernel']}", flush=True)
+    return rows

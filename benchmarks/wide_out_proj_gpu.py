@@ -7,7 +7,8 @@ as out_proj_add does at one row) could start from a GEMM that keeps up with cuBL
 Part 2 (WIDE_PENDING=1): at WIDE_ROWS rows (default 8 and 32), the engine's chain before the
 pending norm (norm launch, cuBLAS in_proj, conv + gated state update, cuBLAS out_proj) against the
 pending chain (in_proj on the DOT path with the scale, conv, gated state update, split-K out_proj
-with the add) over in_proj and out_proj tiles.
+with the add) over in_proj and out_proj tiles; since session 19 with the conv in in_proj's epilogue
+(one launch) against its own launch, and each with every kernel launched without PDL.
 
 Mamba2-2.7B shape, bf16, fp32 state and residual, 32 sequences, 32 layers on their own weights and
 pools, one CUDA graph, PDL as the engine runs it; per layer: add_rms_norm (deferred gated-norm
@@ -17,6 +18,7 @@ residual is compared with cuBLAS's (the K split sums in another order: close, no
 
     PYTHONPATH=. python3 benchmarks/wide_out_proj_gpu.py     (CUDA only; JSON to $OUT/wide_out_proj.json)
     WIDE_PENDING=1 WIDE_ROWS=8,32 PYTHONPATH=. python3 benchmarks/wide_out_proj_gpu.py     (part 2)
+    WIDE_VARIANTS="<v>;<v>" WIDE_PROFILE="<v>;<v>" ...     (those variants; the second: kernels attributed)
 """
 
 from __future__ import annotations
@@ -24,14 +26,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from benchmarks.decode_layers import D_INNER, EPS, HID, DecodeLayers, G, H, time_chain
+from benchmarks.decode_layers import D_INNER, EPS, HID, DecodeLayers, G, H, profile_replay, time_chain
 from pd_ssm.kernels.in_proj_conv_triton import in_proj_conv_triton
 from pd_ssm.kernels.mixer_decode_triton import mamba2_decode_step_triton
-from pd_ssm.kernels.out_proj_add_triton import WIDE_TILE, out_proj_add_triton
+from pd_ssm.kernels.out_proj_add_triton import out_proj_add_triton
 from pd_ssm.kernels.pending_norm import PendingNorm
 from pd_ssm.kernels.rmsnorm import RowRms
 from pd_ssm.kernels.rmsnorm_triton import add_rms_norm_triton
@@ -60,20 +62,23 @@ class Wide(DecodeLayers):
         return add_rms_norm_triton(delta, residual, self.norm_w[0], EPS, residual_dtype=torch.float32,
                                    x_rms=x_rms).residual
 
-    def run_pending(self, tiles: tuple[LinearTile | None, LinearTile | None], _: int = 0) -> torch.Tensor:
-        """The pending chain: tiles = (in_proj's DOT tile, out_proj's split-K tile); None: the defaults."""
+    def run_pending(self, v: WideVariant, _: int = 0) -> torch.Tensor:
+        """The pending chain with v's tiles (None: the defaults) and in_proj's conv in one launch or two."""
+        os.environ["PD_SSM_PDL"] = "1" if v.pdl else "0"
         normed, residual = add_rms_norm_triton(self.delta, self.residual, self.norm_w[0], EPS,
                                                residual_dtype=torch.float32, x_rms=RowRms(self.sq, D_INNER, EPS))
         hidden: torch.Tensor | PendingNorm = normed
         for i in range(L):
+            pend = isinstance(hidden, PendingNorm)
             proj, xbc = in_proj_conv_triton(hidden, self.w_in[i], None, self.conv[i], self.cw, self.cb,
                                             state_indices=self.slots, conv_start=D_INNER,
-                                            tile=tiles[0] if isinstance(hidden, PendingNorm) else None)
+                                            tile=v.in_tile if pend else None, fused=pend and v.fused)
             gs = mamba2_decode_step_triton(proj, self.conv[i], self.cw, self.cb, self.ssm[i], self.A, self.D,
                                            self.dt_bias, self.gate_w, state_indices=self.slots, ngroups=G, xbc=xbc)
             residual, hidden = out_proj_add_triton(gs.g, self.w_out[i], RowRms(gs.sq, D_INNER, EPS), residual,
                                                    self.norm_w[(i + 1) % L], EPS, residual_dtype=torch.float32,
-                                                   tile=tiles[1])
+                                                   tile=v.out_tile)
+        os.environ["PD_SSM_PDL"] = "1"
         return residual
 
 
@@ -88,28 +93,37 @@ TILES: dict[str, LinearTile | None] = {
 }
 
 
-PENDING_TILES: dict[str, tuple[LinearTile | None, LinearTile | None]] = {
-    "pending, defaults (in 32x128 s4, out 32x128 split 4)": (None, None),
-    "pending, in 64x128 s4": (LinearTile(64, 128, 4, 4), None),
-    "pending, in 16x256 s3": (LinearTile(16, 256, 4, 3), None),
-    "pending, in 32x64 s5": (LinearTile(32, 64, 4, 5), None),
-    "pending, in 64x64 s4 w4": (LinearTile(64, 64, 4, 4), None),
-    "pending, out 64x64 split 8": (None, LinearTile(64, 64, 4, 4, split_k=8)),
-    "pending, out 32x128 split 2": (None, WIDE_TILE._replace(split_k=2)),
+class WideVariant(NamedTuple):
+    in_tile: LinearTile | None = None  # None: skinny_linear_triton.DOT_TILE
+    out_tile: LinearTile | None = None  # None: out_proj_add_triton.WIDE_TILE
+    fused: bool = True  # in_proj's conv in its epilogue (forced at any rows), or its own launch (session 18)
+    pdl: bool = True  # False: every kernel launched without PDL (PD_SSM_PDL=0 while the graph is captured)
+
+
+PENDING_VARIANTS: dict[str, WideVariant] = {
+    "pending, conv launch (session 18)": WideVariant(fused=False),
+    "pending, conv in in_proj": WideVariant(),
+    "pending, conv in in_proj, in 32x64 s5": WideVariant(in_tile=LinearTile(32, 64, 4, 5)),
+    "pending, conv in in_proj, out 64x64 split 8": WideVariant(out_tile=LinearTile(64, 64, 4, 4, split_k=8)),
+    "pending, conv launch, no PDL": WideVariant(fused=False, pdl=False),
+    "pending, conv in in_proj, no PDL": WideVariant(pdl=False),
 }
 
 
 def pending_part(out: Path) -> None:
     """Part 2 (module docstring): µs per layer, variants alternating, two rounds."""
     results: list[dict[str, Any]] = []
+    profiled = os.environ.get("WIDE_PROFILE", "").split(";")  # variants whose kernels are profiled in round 0
     for rows in (int(r) for r in os.environ.get("WIDE_ROWS", "8,32").split(",")):
         chain = Wide(torch.device("cuda"), rows)
         want: torch.Tensor | None = None
         for rnd in range(2):
-            for name, tiles in {"norm launch, cuBLAS": None, **PENDING_TILES}.items():
+            only = os.environ.get("WIDE_VARIANTS")  # a ";"-separated subset of the pending variants
+            chosen = {k: v for k, v in PENDING_VARIANTS.items() if not only or k in only.split(";")}
+            for name, v in {"norm launch, cuBLAS": None, **chosen}.items():
                 try:
-                    got, us = (time_chain(chain, chain.run, None) if tiles is None
-                               else time_chain(chain, chain.run_pending, tiles))
+                    got, us = (time_chain(chain, chain.run, None) if v is None
+                               else time_chain(chain, chain.run_pending, v))
                 except Exception as e:  # noqa: BLE001 -- a variant that fails to compile or capture is reported
                     print(f"{rows:3} rows {name:54} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     continue
@@ -118,6 +132,8 @@ def pending_part(out: Path) -> None:
                 results.append({"rows": rows, "variant": name, "round": rnd, "us_per_layer": us, "rel_diff": rel})
                 print(f"{rows:3} rows {name:54} round {rnd} {us:7.2f} us/layer  residual rel diff {rel:.2e}",
                       flush=True)
+                if rnd == 0 and name in profiled and v is not None:
+                    results[-1]["kernels"] = profile_replay(chain, chain.run_pending, v)
         del chain
         torch.cuda.empty_cache()
     (out / "wide_pending.json").write_text(json.dumps(results, indent=1))

@@ -57,12 +57,12 @@ def _conv_update_kernel(
     for k in tl.static_range(WIDTH - 1):
         hk = tl.load(row + k, mask=st_ok, other=0.0).to(out_ptr.dtype.element_ty)
         wk = tl.load(w_row + k * stride_w_k, mask=d_ok, other=0.0)
-        acc += hk.to(tl.float32) * wk.to(tl.float32)
+        acc = tl.fma(hk.to(tl.float32), wk.to(tl.float32), acc)  # explicit: in_proj_conv_triton sums alike
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     pdl_gate(PDL)
     xv = tl.load(x_ptr + b * stride_x_b + offs_d, mask=d_ok, other=0.0)  # [BLOCK_D]
-    acc += xv.to(tl.float32) * w_last.to(tl.float32)
+    acc = tl.fma(xv.to(tl.float32), w_last.to(tl.float32), acc)
     if HAS_BIAS:
         acc += bias
     y = acc.to(out_ptr.dtype.element_ty)

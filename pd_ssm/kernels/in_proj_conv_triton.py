@@ -1,4 +1,4 @@
-"""Triton `in_proj_conv_ref` for a one-row decode step: in_proj's GEMV with the conv update folded in.
+"""Triton `in_proj_conv_ref` for a decode step: in_proj with the conv update folded in.
 
 At batch 1 a Mamba2 layer's decode step is a chain of short launches (norm, in_proj, conv, state
 update, out_proj), each paying its launch and ramp (RESULTS.md). The conv is channel-local: the
@@ -9,8 +9,12 @@ weights are loaded before the GEMV's PDL gate (pdl.py): this layer's previous st
 
 The arithmetic is the conv update kernel's (conv1d_triton_update.py) on in_proj's output as the
 GEMV rounds it: same casts, same order (history taps, then the new input, then the bias, then
-SiLU), so proj and xbc equal the two-launch path's to the bit. More than one row, or no
-CUDA bf16/fp16: `in_proj_conv_triton` runs the two kernels it fuses, one after the other.
+SiLU), so proj and xbc equal the two-launch path's to the bit.
+
+A pending norm (below) of 2..DOT_CONV_MAX_ROWS rows takes the DOT path's tile (skinny_gemm_triton.py)
+with the same conv in its epilogue, on the tile transposed (channels first: see the kernel's note).
+Elsewhere (more rows, no pending norm, no CUDA bf16/fp16) `in_proj_conv_triton` runs the two
+kernels it fuses, one after the other.
 
 Its input may be the previous block's norm left pending (pending_norm.py): x is then weight *
 residual, and the GEMV's fp32 sums are multiplied by the norm's scale, from the partial squares
@@ -32,7 +36,9 @@ from pd_ssm.kernels.conv1d_triton_varlen import _silu_in
 from pd_ssm.kernels.launch import FastKernel
 from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 from pd_ssm.kernels.pending_norm import PendingNorm, check_pending_norm, linear_pending_ref
+from pd_ssm.kernels.skinny_gemm_triton import dot_rows, pending_row_scale, row_squares
 from pd_ssm.kernels.skinny_linear_triton import (
+    DOT_TILE,
     FMA_MAX_ROWS,
     LinearTile,
     fma_gemv_main,
@@ -42,6 +48,56 @@ from pd_ssm.kernels.skinny_linear_triton import (
     linear_triton,
     skinny_linear_triton,
 )
+
+
+@triton.jit
+def conv_pre(state_ptr, slot, cw_ptr, cb_ptr, c, n_ok, conv_dim, stride_cw_d, stride_cw_k, act: tl.constexpr,
+             WIDTH: tl.constexpr, HAS_CONV_BIAS: tl.constexpr):
+    """The conv's loads before in_proj's PDL gate (this layer's previous step wrote the state), for a
+    tile of in_proj columns whose conv channels are c (xBC columns where 0 <= c < conv_dim) in the
+    rows whose state slots are `slot` (broadcast against c: a scalar, or [BLOCK_M, 1]). Returns the
+    state rows' pointers, their mask, the channels' mask, the last tap's weight, the history taps'
+    fp32 sum and the bias (0 without one)."""
+    c_ok = n_ok & (c >= 0) & (c < conv_dim)
+    cc = tl.where(c_ok, c, 0)
+    st_ok = c_ok & (slot >= 0)  # a negative slot is CUDA-graph padding: touch no state
+    row = state_ptr + tl.maximum(slot, 0).to(tl.int64) * conv_dim * (WIDTH - 1) + cc * (WIDTH - 1)
+    w_conv = cw_ptr + cc * stride_cw_d
+    w_last = tl.load(w_conv + (WIDTH - 1) * stride_cw_k, mask=c_ok, other=0.0)
+    # NOTE: the conv update kernel's sum, from 0 with explicit FMAs: where a layout conversion sits
+    # between a product and its sum (the DOT tile's epilogue) the compiler would not contract them,
+    # and fp32 results would differ from that kernel's in the last bit
+    conv = tl.zeros(row.shape, dtype=tl.float32)
+    for k in tl.static_range(WIDTH - 1):
+        hk = tl.load(row + k, mask=st_ok, other=0.0).to(act)
+        wk = tl.load(w_conv + k * stride_cw_k, mask=c_ok, other=0.0)
+        conv = tl.fma(hk.to(tl.float32), wk.to(tl.float32), conv)
+    if HAS_CONV_BIAS:
+        conv_b = tl.load(cb_ptr + cc, mask=c_ok, other=0.0).to(tl.float32)
+    else:
+        conv_b = 0.0
+    return row, st_ok, c_ok, w_last, conv, conv_b
+
+
+@triton.jit
+def conv_post(xv, row, st_ok, c_ok, live, w_last, conv, conv_b, xbc_ptrs, state_ptr, WIDTH: tl.constexpr,
+              HAS_CONV_BIAS: tl.constexpr, FAST_EXP: tl.constexpr):
+    """The conv's finish on in_proj's output xv as it is stored (its new input): the last tap, the
+    bias, SiLU into xbc (zeros where not live), and the state row shifted left with xv appended."""
+    act = xv.dtype
+    conv = tl.fma(xv.to(tl.float32), w_last.to(tl.float32), conv)
+    if HAS_CONV_BIAS:
+        conv += conv_b
+    out = _silu_in(conv.to(act), act, FAST_EXP)
+    tl.store(xbc_ptrs, tl.where(live, out, 0.0).to(act), mask=c_ok)
+    # shift left (column j <- column j + 1, re-read from L1; the newest <- xv); each barrier orders
+    # every read of a column, whichever thread holds it, before that column is written
+    for j in tl.static_range(WIDTH - 2):
+        nxt = tl.load(row + (j + 1), mask=st_ok, other=0.0).to(act)
+        tl.debug_barrier()
+        tl.store(row + j, nxt.to(state_ptr.dtype.element_ty), mask=st_ok)
+    tl.debug_barrier()
+    tl.store(row + (WIDTH - 2), xv.to(state_ptr.dtype.element_ty), mask=st_ok)
 
 
 @triton.jit
@@ -57,28 +113,15 @@ def _in_proj_conv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
     PRE_K: tl.constexpr, PENDING: tl.constexpr, SS_BLOCK: tl.constexpr,
 ):
-    """PENDING: x is a PendingNorm's (ss_ptr its n_ss partial squares): the GEMV's sums are multiplied
-    by the norm's scale (pending_norm.py)."""
+    """One row. PENDING: x is a PendingNorm's (ss_ptr its n_ss partial squares): the GEMV's sums are
+    multiplied by the norm's scale (pending_norm.py)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] in_proj column
     n_ok = offs_n < N
-    c = offs_n - conv_start  # [BLOCK_N] its conv channel (an xBC column) where 0 <= c < conv_dim
-    c_ok = n_ok & (c >= 0) & (c < conv_dim)
-    cc = tl.where(c_ok, c, 0)
     act = y_ptr.dtype.element_ty
     # before the GEMV's PDL gate: the slot, the conv weights and the history taps
     slot = tl.load(slot_ptr)
-    live = slot >= 0  # a negative slot is CUDA-graph padding: touch no state, output zeros
-    st_ok = c_ok & live
-    row = state_ptr + tl.maximum(slot, 0).to(tl.int64) * conv_dim * (WIDTH - 1) + cc * (WIDTH - 1)  # [BLOCK_N]
-    w_conv = cw_ptr + cc * stride_cw_d  # [BLOCK_N]
-    w_last = tl.load(w_conv + (WIDTH - 1) * stride_cw_k, mask=c_ok, other=0.0)
-    conv = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k in tl.static_range(WIDTH - 1):
-        hk = tl.load(row + k, mask=st_ok, other=0.0).to(act)
-        wk = tl.load(w_conv + k * stride_cw_k, mask=c_ok, other=0.0)
-        conv += hk.to(tl.float32) * wk.to(tl.float32)
-    if HAS_CONV_BIAS:
-        conv_b = tl.load(cb_ptr + cc, mask=c_ok, other=0.0).to(tl.float32)
+    row, st_ok, c_ok, w_last, conv, conv_b = conv_pre(state_ptr, slot, cw_ptr, cb_ptr, offs_n - conv_start, n_ok,
+                                                      conv_dim, stride_cw_d, stride_cw_k, act, WIDTH, HAS_CONV_BIAS)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     w_pre = fma_gemv_pre(w_rows, n_ok, K, PRE_K)
     pdl_gate(PDL)
@@ -92,30 +135,78 @@ def _in_proj_conv_kernel(
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     xv = y.to(act)  # in_proj's output as it is stored: the conv's new input
     tl.store(y_ptr + offs_n, xv, mask=n_ok)
+    conv_post(xv, row, st_ok, c_ok, slot >= 0, w_last, conv, conv_b, xbc_ptr + (offs_n - conv_start), state_ptr,
+              WIDTH, HAS_CONV_BIAS, FAST_EXP)
 
-    conv += xv.to(tl.float32) * w_last.to(tl.float32)
-    if HAS_CONV_BIAS:
-        conv += conv_b
-    out = _silu_in(conv.to(act), act, FAST_EXP)
-    tl.store(xbc_ptr + cc, tl.where(live, out, 0.0).to(act), mask=c_ok)
-    # shift left (column j <- column j + 1, re-read from L1; the newest <- xv); each barrier orders
-    # every read of a column, whichever thread holds it, before that column is written
-    for j in tl.static_range(WIDTH - 2):
-        nxt = tl.load(row + (j + 1), mask=st_ok, other=0.0).to(act)
-        tl.debug_barrier()
-        tl.store(row + j, nxt.to(state_ptr.dtype.element_ty), mask=st_ok)
-    tl.debug_barrier()
-    tl.store(row + (WIDTH - 2), xv.to(state_ptr.dtype.element_ty), mask=st_ok)
+
+@triton.jit
+def _in_proj_conv_dot_kernel(
+    # pointers
+    x_ptr, w_ptr, b_ptr, y_ptr, state_ptr, slot_ptr, cw_ptr, cb_ptr, xbc_ptr, ss_ptr,
+    # dimensions (K is specialized on: a layer's K never changes)
+    M, N, K: tl.constexpr, conv_start, conv_dim, n_ss, eps,
+    # strides (the last axes have stride 1; the pool is contiguous: [slot, d, j])
+    stride_xm, stride_wn, stride_ym, stride_xbc, stride_ss, stride_cw_d, stride_cw_k,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, WIDTH: tl.constexpr, FAST_EXP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    INTERPRETED: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, SS_BLOCK: tl.constexpr,
+):
+    """A few rows of a pending norm (x, ss_ptr [M, n_ss] its partial squares): the DOT path's tile
+    (skinny_gemm_triton.py) of [BLOCK_M rows, BLOCK_N columns], its sums multiplied by each row's
+    norm scale, then the conv of the tile's xBC columns in every row."""
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] row
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] in_proj column
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    pdl_gate(PDL)  # x and its squares are the launch before's (the reduce of out_proj_add_triton.py)
+    ss = row_squares(ss_ptr, offs_m, m_ok, stride_ss, n_ss, SS_BLOCK)
+    acc = dot_rows(x_ptr, w_ptr, offs_m, offs_n, m_ok, n_ok, stride_xm, stride_wn, 0, K, K, BLOCK_M, BLOCK_N,
+                   BLOCK_K, NUM_STAGES, INTERPRETED, IEEE)
+    acc *= pending_row_scale(ss, K, eps)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]  # [BLOCK_M, BLOCK_N]
+    tile_ok = m_ok[:, None] & n_ok[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=tile_ok)
+    # NOTE: the conv works on the tile transposed, [BLOCK_N channels, BLOCK_M rows], with in_proj's
+    # output taken back from memory (this program's own stores, L1 / L2): Triton lays out a tile whose
+    # addresses run along no axis (the state's, 3 elements a channel) with its first axis fastest, so
+    # a warp's accesses cover channels of one slot (as the conv update kernel's do). In the tensor
+    # cores' layout, or with rows first, each warp instruction spread over 8-32 slots: 42 against
+    # 20 us a call at 32 rows (H200, RESULTS.md session 19). The conv's loads come after the
+    # stream: held through it, they took the registers of 2 of the GEMM's 4 programs per SM.
+    tl.debug_barrier()  # every thread's stores before any thread's loads
+    xv = tl.load(y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None],
+                 mask=n_ok[:, None] & m_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_M]
+    slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1)[None, :]  # [1, BLOCK_M]; past M: -1, no state
+    c = (offs_n - conv_start)[:, None]  # [BLOCK_N, 1] conv channel
+    row, st_ok, c_ok, w_last, conv, conv_b = conv_pre(state_ptr, slot, cw_ptr, cb_ptr, c, n_ok[:, None], conv_dim,
+                                                      stride_cw_d, stride_cw_k, xv.dtype, WIDTH, HAS_CONV_BIAS)
+    xbc_ptrs = xbc_ptr + offs_m.to(tl.int64)[None, :] * stride_xbc + c  # [BLOCK_N, BLOCK_M]
+    conv_post(xv, row, st_ok, c_ok & m_ok[None, :], slot >= 0, w_last, conv, conv_b, xbc_ptrs, state_ptr, WIDTH,
+              HAS_CONV_BIAS, FAST_EXP)
+
+
+# NOTE: the conv in the DOT tile's epilogue, measured in the batch-8 / 32 layer chains (H200, 2.7B
+# shape, benchmarks/wide_out_proj_gpu.py, RESULTS.md session 19): 8 rows -3.2 / -3.8 us a layer
+# against the conv's own launch, 32 rows +1.0 / +1.5 (each program's epilogue covers more rows)
+DOT_CONV_MAX_ROWS = 16
 
 
 def fusable(hidden: Tensor | PendingNorm, weight: Tensor) -> bool:
-    """Whether the one-launch kernel serves this call: one row where the GEMV serves in_proj at all
-    (skinny_linear_triton.gemv_serves)."""
-    x = hidden.x if isinstance(hidden, PendingNorm) else hidden
-    return gemv_serves(x, weight) and x.shape[0] == 1
+    """Whether one launch serves this call: one row where the GEMV serves in_proj at all
+    (skinny_linear_triton.gemv_serves), or a pending norm of up to DOT_CONV_MAX_ROWS rows (bf16 /
+    fp16 on CUDA, stride 1 on K: the DOT path's tile with the conv in its epilogue)."""
+    if isinstance(hidden, PendingNorm):
+        x = hidden.x
+        return (x.is_cuda and x.dim() == 2 and x.shape[0] <= DOT_CONV_MAX_ROWS and x.dtype in (torch.bfloat16,
+                torch.float16) and weight.dtype == x.dtype and x.stride(1) == 1 and weight.stride(1) == 1)
+    return gemv_serves(hidden, weight) and hidden.shape[0] == 1
 
 
 _IN_PROJ_CONV = FastKernel(_in_proj_conv_kernel)
+_IN_PROJ_CONV_DOT = FastKernel(_in_proj_conv_dot_kernel)
 
 
 def in_proj_conv_triton(
@@ -131,9 +222,9 @@ def in_proj_conv_triton(
     fused: bool | None = None,
     tile: LinearTile | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Triton `in_proj_conv_ref` (shapes there). `fused`: None picks the one-launch kernel where it
-    serves (`fusable`), True forces it (tests, in Triton's interpreter too), False the two launches.
-    `tile`, for sweeps: the one-launch GEMV's (default skinny_linear_triton.fma_tile's), or the DOT
+    """Triton `in_proj_conv_ref` (shapes there). `fused`: None picks one launch where it serves
+    (`fusable`), True forces it (tests, in Triton's interpreter too), False the two launches.
+    `tile`, for sweeps: the one-row GEMV's (default skinny_linear_triton.fma_tile's), or the DOT
     path's for a pending norm of more rows (default skinny_linear_triton.DOT_TILE)."""
     pending = hidden if isinstance(hidden, PendingNorm) else None
     if pending is not None:
@@ -154,24 +245,38 @@ def in_proj_conv_triton(
             proj = linear_pending_ref(pending, weight, bias)
         return proj, causal_conv1d_update_triton(proj[:, conv_start:conv_start + conv_dim], conv_state, conv_weight,
                                                  conv_bias, state_indices=state_indices)
-    if B != 1 or x.stride(1) != 1 or weight.stride(1) != 1 or weight.dtype != x.dtype:
-        raise ValueError("in_proj_conv: the one-launch kernel takes one row, x and weight of one dtype, stride 1 on K")
-    proj = torch.empty((1, N), dtype=x.dtype, device=x.device)  # [1, N]
+    if (B != 1 and pending is None) or x.stride(1) != 1 or weight.stride(1) != 1 or weight.dtype != x.dtype:
+        raise ValueError("in_proj_conv: one launch takes one row or a pending norm's rows, x and weight of one dtype, "
+                         "stride 1 on K")
+    proj = torch.empty((B, N), dtype=x.dtype, device=x.device)  # [B, N]
     _check_conv_args("in_proj_conv", proj[:, conv_start:conv_start + conv_dim], conv_weight, conv_bias, conv_state,
-                     state_indices, 1, "silu")
-    xbc = torch.empty((1, conv_dim), dtype=x.dtype, device=x.device)  # [1, conv_dim]
-    t = tile or fma_tile(N)
+                     state_indices, B, "silu")
+    xbc = torch.empty((B, conv_dim), dtype=x.dtype, device=x.device)  # [B, conv_dim]
     pdl = use_pdl(x)
-    n_ss = 0 if pending is None else pending.ss.shape[1]
+    ss = None if pending is None else pending.ss.contiguous()
+    n_ss = 0 if ss is None else ss.shape[1]
+    eps = 0.0 if pending is None else float(pending.eps)
+    conv = dict(HAS_BIAS=bias is not None, HAS_CONV_BIAS=conv_bias is not None, WIDTH=conv_weight.shape[1],
+                FAST_EXP=x.is_cuda, PDL=pdl, SS_BLOCK=pow2(n_ss))
     with on_device(x):
-        _IN_PROJ_CONV[(cdiv(N, t.block_n),)](
-            x, weight, bias, proj, conv_state, state_indices.contiguous(), conv_weight, conv_bias, xbc,
-            None if pending is None else pending.ss.contiguous(),
-            N, K, conv_start, conv_dim, n_ss, 0.0 if pending is None else float(pending.eps),
-            weight.stride(0), conv_weight.stride(0), conv_weight.stride(1),
-            HAS_BIAS=bias is not None, HAS_CONV_BIAS=conv_bias is not None, WIDTH=conv_weight.shape[1],
-            FAST_EXP=x.is_cuda, BLOCK_N=t.block_n, BLOCK_K=t.block_k, NUM_STAGES=t.num_stages, PDL=pdl,
-            PRE_K=t.prefetch_k, PENDING=pending is not None, SS_BLOCK=pow2(n_ss), num_warps=t.num_warps,
-            **launch_options(pdl),
-        )
+        if B == 1:
+            t = tile or fma_tile(N)
+            _IN_PROJ_CONV[(cdiv(N, t.block_n),)](
+                x, weight, bias, proj, conv_state, state_indices.contiguous(), conv_weight, conv_bias, xbc, ss,
+                N, K, conv_start, conv_dim, n_ss, eps, weight.stride(0), conv_weight.stride(0), conv_weight.stride(1),
+                BLOCK_N=t.block_n, BLOCK_K=t.block_k, NUM_STAGES=t.num_stages, PRE_K=t.prefetch_k,
+                PENDING=pending is not None, num_warps=t.num_warps, **conv, **launch_options(pdl),
+            )
+        else:
+            assert ss is not None  # checked above: more rows come as a pending norm
+            t = tile or DOT_TILE
+            block_m = min(64, max(16, pow2(B)))
+            _IN_PROJ_CONV_DOT[(cdiv(N, t.block_n), cdiv(B, block_m))](
+                x, weight, bias, proj, conv_state, state_indices.contiguous(), conv_weight, conv_bias, xbc, ss,
+                B, N, K, conv_start, conv_dim, n_ss, eps, x.stride(0), weight.stride(0), proj.stride(0),
+                xbc.stride(0), ss.stride(0), conv_weight.stride(0), conv_weight.stride(1),
+                BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, NUM_STAGES=t.num_stages,
+                INTERPRETED=not x.is_cuda, IEEE=x.dtype == torch.float32, num_warps=t.num_warps, **conv,
+                **launch_options(pdl),
+            )
     return proj, xbc

@@ -89,7 +89,7 @@ def _split_reduce_add_kernel(
     # strides (the last axes have stride 1)
     stride_sq, stride_res, stride_ss,
     # meta-parameters
-    SPLIT: tl.constexpr, SQ_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+    SPLIT: tl.constexpr, SQ_BLOCK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """More than one row: out_proj's fp32 partial sums ws [SPLIT, M, N] (the split-K GEMM's) summed in
     a fixed order and rounded to the output dtype as the GEMM's own reduce would, then the one-row
@@ -98,13 +98,15 @@ def _split_reduce_add_kernel(
     m = tl.program_id(1).to(tl.int64)
     offs_n = pid * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     n_ok = offs_n < N
+    # before the PDL gate (pdl.py): all but the partials, which the GEMM launched just before writes;
+    # the squares come from the state update before it, the residual from the boundary before that
     res = tl.load(res_ptr + m * stride_res + offs_n, mask=n_ok, other=0.0)
     nw = tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0)
+    r = _row_scale(sq_ptr, m, stride_sq, n_sq, width, eps, True, SQ_BLOCK)
+    pdl_gate(PDL)
     y = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
         y += tl.load(ws_ptr + (s * M + m) * N + offs_n, mask=n_ok, other=0.0)
-    # NOTE: after the partials' loads are issued, so their latency and the squares' overlap
-    r = _row_scale(sq_ptr, m, stride_sq, n_sq, width, eps, True, SQ_BLOCK)
     out = y.to(x_out_ptr.dtype.element_ty).to(tl.float32)  # out_proj's output as the GEMM stores it
     row = m * stride_res + offs_n
     _add_and_leave_pending(out, r, res, nw, res_out_ptr + row, x_out_ptr + row, ss_ptr + m * stride_ss + pid, n_ok)
@@ -161,11 +163,12 @@ def out_proj_add_triton(
         launch_dot(g, weight, ws, t)
         grid_n = cdiv(N, REDUCE_BLOCK)
         ss = torch.empty((M, grid_n), dtype=torch.float32, device=g.device)  # [M, K]
+        pdl = use_pdl(g)
         with on_device(g):
             _SPLIT_REDUCE_ADD[(grid_n, M)](
                 ws, x_rms.sq, residual, norm_weight.contiguous(), new, x, ss, M, N, n_sq, float(x_rms.width),
                 float(x_rms.eps), x_rms.sq.stride(0), N, ss.stride(0), SPLIT=ws.shape[0], SQ_BLOCK=pow2(n_sq),
-                BLOCK=REDUCE_BLOCK, num_warps=4,
+                BLOCK=REDUCE_BLOCK, PDL=pdl, num_warps=4, **launch_options(pdl),
             )
         return new, PendingNorm(x, ss, eps)
     t = tile or fma_tile(N)

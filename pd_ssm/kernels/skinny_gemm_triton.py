@@ -4,8 +4,11 @@ Each program computes a [BLOCK_M, BLOCK_N] tile of y with tl.dot over [BLOCK_K] 
 accumulation; with a split of K, programs along the third grid axis each sum one slice into an
 fp32 workspace [split, M, N] and a second launch adds the slices up in a fixed order
 (deterministic, unlike atomics). The pending norm (pending_norm.py) uses both forms: in_proj
-unsplit with the norm's row scale in its epilogue, out_proj split with its own reduce
-(out_proj_add_triton.py).
+unsplit with the norm's row scale in its epilogue (up to 16 rows with the conv there too:
+in_proj_conv_triton.py, which shares `dot_rows` and the scale), out_proj split with its own reduce
+(out_proj_add_triton.py). The GEMM launches under PDL (pdl.py), as that reduce does: launched
+without it, at 32 rows they left 45 and 22 us of idle GPU a decode step (126 and 63 launches;
+benchmarks/graph_timeline_gpu.py, RESULTS.md session 19).
 
 Numerics: fp32 accumulation, one rounding to the output dtype, bias added in fp32 before it; fp32
 inputs take IEEE fp32 dots (never tf32). Reference: skinny_linear_triton.skinny_linear_ref.
@@ -20,12 +23,52 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pd_ssm.kernels._device import on_device
 from pd_ssm.kernels._grid import cdiv, pow2
 from pd_ssm.kernels.launch import FastKernel
+from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 
 if TYPE_CHECKING:
     from pd_ssm.kernels.pending_norm import PendingNorm
     from pd_ssm.kernels.skinny_linear_triton import LinearTile
+
+
+@triton.jit
+def dot_rows(
+    x_ptr, w_ptr, offs_m, offs_n, m_ok, n_ok, stride_xm, stride_wn, k_first, K: tl.constexpr,
+    K_SPAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr, INTERPRETED: tl.constexpr, IEEE: tl.constexpr,
+):
+    """acc [BLOCK_M, BLOCK_N] fp32 = x[offs_m, k] . W[offs_n, k] over k in [k_first, k_first + K_SPAN)
+    (and < K), in BLOCK_K slices through a NUM_STAGES software pipeline."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(0, K_SPAN, BLOCK_K, num_stages=NUM_STAGES):
+        offs_k = k_first + k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        xv = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
+                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        w = tl.load(w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None],
+                    mask=n_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_N] (W^T)
+        if INTERPRETED or IEEE:  # the interpreter's bf16 dot multiplies raw bits: exact fp32 products
+            acc = tl.dot(xv.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xv, w, acc)
+    return acc
+
+
+@triton.jit
+def row_squares(ss_ptr, offs_m, m_ok, stride_ss, n_ss, SS_BLOCK: tl.constexpr):
+    """A pending norm's partial squares of the rows offs_m, [BLOCK_M, SS_BLOCK] (0 past n_ss): loaded
+    before a GEMM's stream, summed after it (`pending_row_scale`), so their latency hides in it."""
+    offs_s = tl.arange(0, SS_BLOCK)
+    return tl.load(ss_ptr + offs_m.to(tl.int64)[:, None] * stride_ss + offs_s[None, :],
+                   mask=m_ok[:, None] & (offs_s < n_ss)[None, :], other=0.0)
+
+
+@triton.jit
+def pending_row_scale(ss, K: tl.constexpr, eps):
+    """[BLOCK_M, 1]: each row's norm scale rsqrt(sum of its squares / K + eps) (pending_norm.py)."""
+    return (1.0 / tl.sqrt_rn(tl.sum(ss, axis=1) / K + eps))[:, None]
 
 
 @triton.jit
@@ -39,12 +82,13 @@ def _skinny_dot_kernel(
     # meta-parameters
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, INTERPRETED: tl.constexpr,
-    IEEE: tl.constexpr, PENDING: tl.constexpr, SS_BLOCK: tl.constexpr,
+    IEEE: tl.constexpr, PENDING: tl.constexpr, SS_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """SPLIT == 1: y = x W^T (+ bias) rounded once; else y_ptr is an fp32 [SPLIT, M, N] workspace of
     partial sums over K_PER_SPLIT-long slices of K (bias and rounding left to the reduce kernel).
     PENDING (SPLIT == 1): x is a pending norm's (pending_norm.py), ss_ptr [M, n_ss] its partial
-    squares: each row's sums are multiplied by the norm's scale before the bias."""
+    squares: each row's sums are multiplied by the norm's scale before the bias. The PDL gate
+    (pdl.py) comes first: x and the squares may be the launch before's output."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -52,25 +96,16 @@ def _skinny_dot_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     m_ok = offs_m < M
     n_ok = offs_n < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
-        offs_k = pid_s * K_PER_SPLIT + k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        xv = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
-                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        w = tl.load(w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None],
-                    mask=n_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_N] (W^T)
-        if INTERPRETED or IEEE:  # the interpreter's bf16 dot multiplies raw bits: exact fp32 products
-            acc = tl.dot(xv.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xv, w, acc)
+    k_first = pid_s * K_PER_SPLIT
+    pdl_gate(PDL)
+    if PENDING:
+        ss = row_squares(ss_ptr, offs_m, m_ok, stride_ss, n_ss, SS_BLOCK)
+    acc = dot_rows(x_ptr, w_ptr, offs_m, offs_n, m_ok, n_ok, stride_xm, stride_wn, k_first, K, K_PER_SPLIT,
+                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, INTERPRETED, IEEE)
     out_ok = m_ok[:, None] & n_ok[None, :]
     if SPLIT == 1:
         if PENDING:
-            offs_s = tl.arange(0, SS_BLOCK)
-            ss = tl.load(ss_ptr + offs_m.to(tl.int64)[:, None] * stride_ss + offs_s[None, :],
-                         mask=m_ok[:, None] & (offs_s < n_ss)[None, :], other=0.0)  # [BLOCK_M, SS_BLOCK]
-            acc *= (1.0 / tl.sqrt_rn(tl.sum(ss, axis=1) / K + eps))[:, None]
+            acc *= pending_row_scale(ss, K, eps)
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -119,13 +154,16 @@ def launch_dot(x: Tensor, weight: Tensor, out: Tensor, t: LinearTile, *, bias: T
     k_per_split = cdiv(cdiv(K, split), t.block_k) * t.block_k
     ss = None if pending is None else pending.ss.contiguous()
     n_ss = 0 if ss is None else ss.shape[1]
-    _SKINNY_DOT[(cdiv(N, t.block_n), cdiv(M, block_m), split)](
-        x, weight, bias, out, ss, M, N, K, n_ss, 0.0 if pending is None else float(pending.eps),
-        x.stride(0), weight.stride(0), out.stride(-2), 0 if ss is None else ss.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        K_PER_SPLIT=k_per_split, SPLIT=split, NUM_STAGES=t.num_stages, INTERPRETED=not x.is_cuda,
-        IEEE=x.dtype == torch.float32, PENDING=pending is not None, SS_BLOCK=pow2(n_ss), num_warps=t.num_warps,
-    )
+    pdl = use_pdl(x)
+    with on_device(x):
+        _SKINNY_DOT[(cdiv(N, t.block_n), cdiv(M, block_m), split)](
+            x, weight, bias, out, ss, M, N, K, n_ss, 0.0 if pending is None else float(pending.eps),
+            x.stride(0), weight.stride(0), out.stride(-2), 0 if ss is None else ss.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+            K_PER_SPLIT=k_per_split, SPLIT=split, NUM_STAGES=t.num_stages, INTERPRETED=not x.is_cuda,
+            IEEE=x.dtype == torch.float32, PENDING=pending is not None, SS_BLOCK=pow2(n_ss), PDL=pdl,
+            num_warps=t.num_warps, **launch_options(pdl),
+        )
 
 
 def launch_split_reduce(ws: Tensor, bias: Tensor | None, y: Tensor) -> None:

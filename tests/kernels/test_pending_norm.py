@@ -17,7 +17,7 @@ import torch
 from kernel_oracles import gen
 from torch import Tensor
 
-from pd_ssm.kernels.in_proj_conv_triton import fusable, in_proj_conv_triton
+from pd_ssm.kernels.in_proj_conv_triton import DOT_CONV_MAX_ROWS, fusable, in_proj_conv_triton
 from pd_ssm.kernels.mixer_decode import in_proj_conv_ref
 from pd_ssm.kernels.out_proj_add_triton import (
     PENDING_MAX_ROWS,
@@ -153,22 +153,36 @@ def test_in_proj_conv_on_a_pending_norm(shape: tuple[int, ...], dtype: torch.dty
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_in_proj_conv_on_a_pending_norm_of_several_rows(shape: tuple[int, ...], dtype: torch.dtype, rows: int) -> None:
-    """The DOT path (skinny_linear_triton) applies the scale per row, then the conv update's launch."""
+    """One launch (the DOT path's tile, the scale per row, the conv in its epilogue) equals the two
+    it replaces (the DOT path, then the conv update's launch) to the bit, a padding row (slot -1)
+    included; both near the reference."""
     d, d_inner, H, N, G = shape
     c = in_proj_case(d, d_inner, H, N, G, dtype, seed=d + rows)
     g = gen(rows)
     pool = rand(g, rows + 3, c["conv_weight"].shape[0], WIDTH - 1).to(dtype)
     slots = torch.randperm(rows + 3, generator=g)[:rows].to(torch.int32).to(DEV)
+    slots[rows // 2] = -1  # CUDA-graph padding: no state touched, zeros out
     residual, w, p = pending(d, dtype, seed=d + 1, rows=rows)
-    state = pool.clone()
-    proj, xbc = in_proj_conv_triton(p, c["weight"], c["bias"], state, c["conv_weight"], c["conv_bias"],
-                                    state_indices=slots, conv_start=d_inner)
+    outs = []
+    for one_launch in (True, False):
+        state = pool.clone()
+        proj, xbc = in_proj_conv_triton(p, c["weight"], c["bias"], state, c["conv_weight"], c["conv_bias"],
+                                        state_indices=slots, conv_start=d_inner, fused=one_launch)
+        outs.append((proj, xbc, state))
+    for name, a, b in zip(("proj", "xbc", "conv state"), *outs, strict=True):
+        assert torch.equal(a, b), f"{name}: one launch differs from the two it replaces"
+    proj, xbc, state = outs[0]
+    assert not xbc[rows // 2].any()
+    live = slots >= 0
+    assert torch.equal(state[[s for s in range(rows + 3) if s not in slots[live].tolist()]],
+                       pool[[s for s in range(rows + 3) if s not in slots[live].tolist()]])
+    # the reference on the live rows (it has no padding rule)
     state_r = pool.clone()
-    proj_r, xbc_r = in_proj_conv_ref(p, c["weight"], c["bias"], state_r, c["conv_weight"], c["conv_bias"],
-                                     state_indices=slots, conv_start=d_inner)
+    proj_r, xbc_r = in_proj_conv_ref(p._replace(x=p.x[live], ss=p.ss[live]), c["weight"], c["bias"], state_r,
+                                     c["conv_weight"], c["conv_bias"], state_indices=slots[live], conv_start=d_inner)
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(proj, proj_r, **tol)
-    torch.testing.assert_close(xbc, xbc_r, **tol)
+    torch.testing.assert_close(proj[live], proj_r, **tol)
+    torch.testing.assert_close(xbc[live], xbc_r, **tol)
     torch.testing.assert_close(state, state_r, **tol)
     normed = add_rms_norm_ref(None, residual, w, EPS, residual_dtype=torch.float32).normed
     want = torch.nn.functional.linear(normed.float(), c["weight"].float(), c["bias"].float())
@@ -219,6 +233,9 @@ def test_where_the_fused_kernels_serve() -> None:
     _, _, p = pending(2560, torch.bfloat16, seed=1)
     w = torch.empty(16, 2560, dtype=torch.bfloat16, device=DEV)
     assert fusable(p, w) == CUDA
+    for rows in (2, DOT_CONV_MAX_ROWS, DOT_CONV_MAX_ROWS + 1):  # more rows: the DOT tile with the conv, up to a bound
+        many = p._replace(x=p.x.expand(rows, -1).contiguous(), ss=p.ss.expand(rows, -1).contiguous())
+        assert fusable(many, w) == (CUDA and rows <= DOT_CONV_MAX_ROWS)
     for rows in (1, 2, PENDING_MAX_ROWS):
         assert pending_norm_triton(torch.empty(rows, 2560, dtype=torch.bfloat16, device=DEV), w) == CUDA
     assert not pending_norm_triton(torch.empty(PENDING_MAX_ROWS + 1, 2560, dtype=torch.bfloat16, device=DEV), w)
