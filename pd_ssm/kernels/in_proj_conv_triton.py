@@ -151,47 +151,61 @@ def _in_proj_conv_dot_kernel(
     HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, WIDTH: tl.constexpr, FAST_EXP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     INTERPRETED: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, SS_BLOCK: tl.constexpr,
+    EARLY_TAPS: tl.constexpr,
 ):
     """A few rows of a pending norm (x, ss_ptr [M, n_ss] its partial squares): the DOT path's tile
     (skinny_gemm_triton.py) of [BLOCK_M rows, BLOCK_N columns], its sums multiplied by each row's
-    norm scale, then the conv of the tile's xBC columns in every row."""
+    norm scale, then the conv of the tile's xBC columns in every row. EARLY_TAPS: the conv's history
+    taps are loaded before the PDL gate and held through the stream, else after it."""
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] row
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] in_proj column
     m_ok = offs_m < M
     n_ok = offs_n < N
-    pdl_gate(PDL)  # x and its squares are the launch before's (the reduce of out_proj_add_triton.py)
+    # NOTE: the conv works on the tile transposed, [BLOCK_N channels, BLOCK_M rows], with in_proj's
+    # output taken back from memory (this program's own stores, L1 / L2): Triton lays out a tile whose
+    # addresses run along no axis (the state's, 3 elements a channel) with its first axis fastest, so
+    # a warp's accesses cover channels of one slot (as the conv update kernel's do). In the tensor
+    # cores' layout, or with rows first, each warp instruction spread over 8-32 slots: 42 against
+    # 20 us a call at 32 rows (H200, RESULTS.md session 19).
+    slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1)[None, :]  # [1, BLOCK_M]; past M: -1, no state
+    c = (offs_n - conv_start)[:, None]  # [BLOCK_N, 1] conv channel
+    if EARLY_TAPS:  # before the gate: the conv's state and weights were written two launches back or more
+        row, st_ok, c_ok, w_last, conv, conv_b = conv_pre(state_ptr, slot, cw_ptr, cb_ptr, c, n_ok[:, None],
+                                                          conv_dim, stride_cw_d, stride_cw_k,
+                                                          y_ptr.dtype.element_ty, WIDTH, HAS_CONV_BIAS)
+    pdl_gate(PDL)  # x and its squares are the launch before's (out_proj_add_triton.py's reduce)
     ss = row_squares(ss_ptr, offs_m, m_ok, stride_ss, n_ss, SS_BLOCK)
     acc = dot_rows(x_ptr, w_ptr, offs_m, offs_n, m_ok, n_ok, stride_xm, stride_wn, 0, K, K, BLOCK_M, BLOCK_N,
                    BLOCK_K, NUM_STAGES, INTERPRETED, IEEE)
+    if not EARLY_TAPS:
+        row, st_ok, c_ok, w_last, conv, conv_b = conv_pre(state_ptr, slot, cw_ptr, cb_ptr, c, n_ok[:, None],
+                                                          conv_dim, stride_cw_d, stride_cw_k,
+                                                          y_ptr.dtype.element_ty, WIDTH, HAS_CONV_BIAS)
     acc *= pending_row_scale(ss, K, eps)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]  # [BLOCK_M, BLOCK_N]
     tile_ok = m_ok[:, None] & n_ok[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=tile_ok)
-    # NOTE: the conv works on the tile transposed, [BLOCK_N channels, BLOCK_M rows], with in_proj's
-    # output taken back from memory (this program's own stores, L1 / L2): Triton lays out a tile whose
-    # addresses run along no axis (the state's, 3 elements a channel) with its first axis fastest, so
-    # a warp's accesses cover channels of one slot (as the conv update kernel's do). In the tensor
-    # cores' layout, or with rows first, each warp instruction spread over 8-32 slots: 42 against
-    # 20 us a call at 32 rows (H200, RESULTS.md session 19). The conv's loads come after the
-    # stream: held through it, they took the registers of 2 of the GEMM's 4 programs per SM.
     tl.debug_barrier()  # every thread's stores before any thread's loads
     xv = tl.load(y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None],
                  mask=n_ok[:, None] & m_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_M]
-    slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1)[None, :]  # [1, BLOCK_M]; past M: -1, no state
-    c = (offs_n - conv_start)[:, None]  # [BLOCK_N, 1] conv channel
-    row, st_ok, c_ok, w_last, conv, conv_b = conv_pre(state_ptr, slot, cw_ptr, cb_ptr, c, n_ok[:, None], conv_dim,
-                                                      stride_cw_d, stride_cw_k, xv.dtype, WIDTH, HAS_CONV_BIAS)
     xbc_ptrs = xbc_ptr + offs_m.to(tl.int64)[None, :] * stride_xbc + c  # [BLOCK_N, BLOCK_M]
     conv_post(xv, row, st_ok, c_ok & m_ok[None, :], slot >= 0, w_last, conv, conv_b, xbc_ptrs, state_ptr, WIDTH,
               HAS_CONV_BIAS, FAST_EXP)
 
 
-# NOTE: the conv in the DOT tile's epilogue, measured in the batch-8 / 32 layer chains (H200, 2.7B
-# shape, benchmarks/wide_out_proj_gpu.py, RESULTS.md session 19): 8 rows -3.2 / -3.8 us a layer
-# against the conv's own launch, 32 rows +1.0 / +1.5 (each program's epilogue covers more rows)
-DOT_CONV_MAX_ROWS = 16
+# NOTE: the conv in the DOT tile's epilogue against its own launch, in the layer chains (H200, 2.7B
+# shape, benchmarks/wide_out_proj_gpu.py, RESULTS.md session 19), taps loaded after the stream:
+# 8 / 16 rows -3.2 to -3.8 / -2.3 to -3.1 us a layer, 24 / 32 rows +1.2 to +1.6 / +2.1 to +2.2
+# (every program's epilogue covers every row, and waits for the taps); loaded before the gate,
+# 32 rows -1.1 to -1.4 us, and the engine's batch-32 step 5.207 -> 5.112 ms, while batch 8 lost 4%
+# (3.04 against 2.92 ms, its 16-row tile at 158 registers under the cap): taps early from 32-row tiles
+DOT_CONV_MAX_ROWS = 32
+EARLY_TAPS_BLOCK_M = 32
+# NOTE: early taps at 32 rows take 190 registers (sm_90), 2 programs per SM; capped at 168 (no
+# spills), 3 per SM hold all 331 of in_proj's at once
+EARLY_TAPS_MAXNREG = 168
 
 
 def fusable(hidden: Tensor | PendingNorm, weight: Tensor) -> bool:
@@ -271,12 +285,14 @@ def in_proj_conv_triton(
             assert ss is not None  # checked above: more rows come as a pending norm
             t = tile or DOT_TILE
             block_m = min(64, max(16, pow2(B)))
+            early = block_m >= EARLY_TAPS_BLOCK_M
             _IN_PROJ_CONV_DOT[(cdiv(N, t.block_n), cdiv(B, block_m))](
                 x, weight, bias, proj, conv_state, state_indices.contiguous(), conv_weight, conv_bias, xbc, ss,
                 B, N, K, conv_start, conv_dim, n_ss, eps, x.stride(0), weight.stride(0), proj.stride(0),
                 xbc.stride(0), ss.stride(0), conv_weight.stride(0), conv_weight.stride(1),
                 BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, NUM_STAGES=t.num_stages,
                 INTERPRETED=not x.is_cuda, IEEE=x.dtype == torch.float32, num_warps=t.num_warps, **conv,
+                EARLY_TAPS=early, **({"maxnreg": EARLY_TAPS_MAXNREG} if early and x.is_cuda else {}),
                 **launch_options(pdl),
             )
     return proj, xbc

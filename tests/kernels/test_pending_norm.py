@@ -149,7 +149,7 @@ def test_in_proj_conv_on_a_pending_norm(shape: tuple[int, ...], dtype: torch.dty
     torch.testing.assert_close(xbc_2, xbc, **tol)
 
 
-@pytest.mark.parametrize("rows", [r for r in ROWS if r > 1])
+@pytest.mark.parametrize("rows", [r for r in ROWS if r > 1] + [17])  # 17: a 32-row tile, the taps loaded early
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_in_proj_conv_on_a_pending_norm_of_several_rows(shape: tuple[int, ...], dtype: torch.dtype, rows: int) -> None:
