@@ -53,11 +53,12 @@ from pd_ssm.kernels.skinny_linear_triton import (
 @triton.jit
 def conv_pre(state_ptr, slot, cw_ptr, cb_ptr, c, n_ok, conv_dim, stride_cw_d, stride_cw_k, act: tl.constexpr,
              WIDTH: tl.constexpr, HAS_CONV_BIAS: tl.constexpr):
-    """The conv's loads before in_proj's PDL gate (this layer's previous step wrote the state), for a
-    tile of in_proj columns whose conv channels are c (xBC columns where 0 <= c < conv_dim) in the
-    rows whose state slots are `slot` (broadcast against c: a scalar, or [BLOCK_M, 1]). Returns the
-    state rows' pointers, their mask, the channels' mask, the last tap's weight, the history taps'
-    fp32 sum and the bias (0 without one)."""
+    """The conv's loads, for a tile of in_proj columns whose conv channels are c (xBC columns where
+    0 <= c < conv_dim) in the rows whose state slots are `slot` (broadcast against c: a scalar against
+    [BLOCK_N] at one row, [1, BLOCK_M] against [BLOCK_N, 1] in the DOT tile). They may come before
+    in_proj's PDL gate: this layer's previous step wrote the state. Returns the state rows' pointers,
+    their mask, the channels' mask, the last tap's weight, the history taps' fp32 sum and the bias
+    (0 without one)."""
     c_ok = n_ok & (c >= 0) & (c < conv_dim)
     cc = tl.where(c_ok, c, 0)
     st_ok = c_ok & (slot >= 0)  # a negative slot is CUDA-graph padding: touch no state
