@@ -135,6 +135,16 @@ PENDING_VARIANTS: dict[str, WideVariant] = {
     "pending, conv in in_proj, no PDL": WideVariant(pdl=False),
     "pending, no state update": WideVariant(parts="no state update"),
     "pending, state update only": WideVariant(parts="state update only"),
+    # the GEMMs alone over tiles (session 19, call 13)
+    "GEMMs, in 32x64 s6": WideVariant(in_tile=LinearTile(32, 64, 4, 6), parts="no state update"),
+    "GEMMs, in 32x128 s3": WideVariant(in_tile=LinearTile(32, 128, 4, 3), parts="no state update"),
+    "GEMMs, in 32x256 s3": WideVariant(in_tile=LinearTile(32, 256, 4, 3), parts="no state update"),
+    "GEMMs, in 64x128 s4": WideVariant(in_tile=LinearTile(64, 128, 4, 4), parts="no state update"),
+    "GEMMs, in 16x256 s4": WideVariant(in_tile=LinearTile(16, 256, 4, 4), parts="no state update"),
+    "GEMMs, out split 2": WideVariant(out_tile=LinearTile(32, 128, 4, 4, split_k=2), parts="no state update"),
+    "GEMMs, out split 8": WideVariant(out_tile=LinearTile(32, 128, 4, 4, split_k=8), parts="no state update"),
+    "GEMMs, out 64x64 split 8": WideVariant(out_tile=LinearTile(64, 64, 4, 4, split_k=8), parts="no state update"),
+    "GEMMs, out 16x256 split 4": WideVariant(out_tile=LinearTile(16, 256, 4, 3, split_k=4), parts="no state update"),
 }
 
 
