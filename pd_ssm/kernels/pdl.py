@@ -5,8 +5,9 @@ update, out_proj with the residual add: pending_norm.py), the state update too s
 GPU (a few hundred programs), each one waiting for the last to drain. With PDL a kernel is
 launched while its predecessor still runs: it loads what does not depend on that predecessor
 (weights, the state of its own slot), then waits in `griddepcontrol.wait` for the predecessor to
-finish and its writes to be visible, and only then reads the predecessor's output. A weight-streaming GEMV thus streams its first weight tiles while
-the small kernel before it computes, and the state update loads its state while in_proj runs.
+finish and its writes to be visible, and only then reads the predecessor's output. A
+weight-streaming GEMV thus streams its first weight tiles while the small kernel before it
+computes, and the state update loads its state while in_proj runs.
 CUDA graphs keep these programmatic edges (CUDA >= 12.3).
 
 The contract every PDL kernel here keeps (`pdl_gate` is its one implementation):

@@ -13,9 +13,10 @@ step on an H200, RESULTS.md session 18). It splits cleanly:
     computes r * (W @ x) instead of W @ (weight * (residual * r)): `linear_pending_ref`.
 
 In a decode step of a few rows the boundary is the same with cuBLAS GEMMs: there out_proj becomes
-the split-K GEMM of skinny_linear_triton.py plus one reduce launch doing the epilogue (replacing
-cuBLAS's split-K and reduce and the norm's launch), and in_proj that file's DOT path with the
-scale in its epilogue (out_proj_add_triton.py, PENDING_MAX_ROWS).
+the split-K GEMM of skinny_gemm_triton.py plus one reduce launch doing the epilogue (replacing
+cuBLAS's split-K and reduce and the norm's launch), and in_proj that file's DOT tile with the
+scale, and the conv update, in its epilogue (out_proj_add_triton.py, PENDING_MAX_ROWS;
+in_proj_conv_triton.py).
 
 The reference rounds residual * r to the weight's dtype and then the product with the weight;
 here the residual (rounded to the weight's dtype, as the reference rounds it before normalizing)

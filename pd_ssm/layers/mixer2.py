@@ -179,8 +179,8 @@ class Mamba2Mixer(nn.Module):
 
     def _in_proj_conv_gated_squares(self, hidden: torch.Tensor | PendingNorm, meta: ForwardMeta,
                                     cache: CachePool) -> GatedSquares:
-        """A decode-only step: in_proj and the conv (in one launch at one row where the kernels have it,
-        kernels/in_proj_conv_triton.py), then the state update and the gate."""
+        """A decode-only step: in_proj and the conv (in one launch where the kernels have it: one row,
+        or a pending norm's rows, kernels/in_proj_conv_triton.py), then the state update and the gate."""
         k = self.kernels
         slots = meta.decode_view().state_indices
         proj, xbc = k.in_proj_conv(

@@ -8,8 +8,8 @@ of each norm.  The final norm `norm_f` then sees fp32; the LM head casts to its 
 The model keeps the residual stream; each block takes the previous block's output (None before
 the first) and the stream, and does the residual add and its norm in one `add_rms_norm` kernel --
 unless the previous block's mixer did the add itself and left this block's norm pending
-(PendingBlock, layers/mixer2.py: one decode row on the Triton kernels), which needs each block
-to know the next block's norm.
+(PendingBlock, layers/mixer2.py: decode steps of up to 32 rows on the Triton kernels), which needs
+each block to know the next block's norm.
 """
 
 from __future__ import annotations
