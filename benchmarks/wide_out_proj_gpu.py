@@ -42,7 +42,8 @@ from benchmarks.decode_layers import (
     profile_replay,
     time_chain,
 )
-from pd_ssm.kernels.in_proj_conv_triton import in_proj_conv_triton
+from pd_ssm.kernels import in_proj_conv_triton as in_proj_conv
+from pd_ssm.kernels.in_proj_conv_triton import EARLY_TAPS_BLOCK_M, in_proj_conv_triton
 from pd_ssm.kernels.mixer_decode_triton import mamba2_decode_step_triton
 from pd_ssm.kernels.out_proj_add_triton import out_proj_add_triton
 from pd_ssm.kernels.pending_norm import PendingNorm
@@ -79,6 +80,7 @@ class Wide(DecodeLayers):
     def run_pending(self, v: WideVariant, _: int = 0) -> torch.Tensor:
         """The pending chain with v's tiles (None: the defaults) and in_proj's conv in one launch or two."""
         os.environ["PD_SSM_PDL"] = "1" if v.pdl else "0"
+        in_proj_conv.EARLY_TAPS_BLOCK_M = v.early_block_m or EARLY_TAPS_BLOCK_M
         normed, residual = add_rms_norm_triton(self.delta, self.residual, self.norm_w[0], EPS,
                                                residual_dtype=torch.float32, x_rms=RowRms(self.sq, D_INNER, EPS))
         hidden: torch.Tensor | PendingNorm = normed
@@ -91,10 +93,13 @@ class Wide(DecodeLayers):
             return gs.g.float()
         for i in range(L):
             pend = isinstance(hidden, PendingNorm)
-            proj, xbc = in_proj_conv_triton(hidden, self.w_in[i], None, self.conv[i], self.cw, self.cb,
-                                            state_indices=self.slots, conv_start=D_INNER,
-                                            tile=v.in_tile if pend else None, fused=pend and v.fused)
-            if v.parts == "no state update":  # out_proj on a fixed gated input: the weights' bytes alone
+            if v.parts.startswith("no conv"):  # in_proj's GEMM alone; the state update on a fixed conv output
+                proj, xbc = skinny_linear_triton(hidden, self.w_in[i], tile=v.in_tile), self.xbc0
+            else:
+                proj, xbc = in_proj_conv_triton(hidden, self.w_in[i], None, self.conv[i], self.cw, self.cb,
+                                                state_indices=self.slots, conv_start=D_INNER,
+                                                tile=v.in_tile if pend else None, fused=pend and v.fused)
+            if v.parts.endswith("no state update"):  # out_proj on a fixed gated input: the weights' bytes alone
                 gs = GatedSquares(self.delta_in, self.sq)
             else:
                 gs = mamba2_decode_step_triton(proj, self.conv[i], self.cw, self.cb, self.ssm[i], self.A, self.D,
@@ -123,28 +128,51 @@ class WideVariant(NamedTuple):
     out_tile: LinearTile | None = None  # None: out_proj_add_triton.WIDE_TILE
     fused: bool = True  # in_proj's conv in its epilogue (forced at any rows), or its own launch (session 18)
     pdl: bool = True  # False: every kernel launched without PDL (PD_SSM_PDL=0 while the graph is captured)
-    parts: str = "all"  # or "no state update" / "state update only": where a chain's time goes
+    parts: str = "all"  # or "no state update" / "state update only" / "no conv" / "no conv, no state update"
+    early_block_m: int = 0  # in_proj_conv's EARLY_TAPS_BLOCK_M while the graph is captured (0: its own)
 
 
 PENDING_VARIANTS: dict[str, WideVariant] = {
     "pending, conv launch (session 18)": WideVariant(fused=False),
     "pending, conv in in_proj": WideVariant(),
-    "pending, conv in in_proj, in 32x64 s5": WideVariant(in_tile=LinearTile(32, 64, 4, 5)),
-    "pending, conv in in_proj, out 64x64 split 8": WideVariant(out_tile=LinearTile(64, 64, 4, 4, split_k=8)),
+    "pending, conv in in_proj, early taps from 16 rows": WideVariant(early_block_m=16),
     "pending, conv launch, no PDL": WideVariant(fused=False, pdl=False),
     "pending, conv in in_proj, no PDL": WideVariant(pdl=False),
     "pending, no state update": WideVariant(parts="no state update"),
     "pending, state update only": WideVariant(parts="state update only"),
-    # the GEMMs alone over tiles (session 19, call 13)
-    "GEMMs, in 32x64 s6": WideVariant(in_tile=LinearTile(32, 64, 4, 6), parts="no state update"),
-    "GEMMs, in 32x128 s3": WideVariant(in_tile=LinearTile(32, 128, 4, 3), parts="no state update"),
-    "GEMMs, in 32x256 s3": WideVariant(in_tile=LinearTile(32, 256, 4, 3), parts="no state update"),
-    "GEMMs, in 64x128 s4": WideVariant(in_tile=LinearTile(64, 128, 4, 4), parts="no state update"),
-    "GEMMs, in 16x256 s4": WideVariant(in_tile=LinearTile(16, 256, 4, 4), parts="no state update"),
-    "GEMMs, out split 2": WideVariant(out_tile=LinearTile(32, 128, 4, 4, split_k=2), parts="no state update"),
-    "GEMMs, out split 8": WideVariant(out_tile=LinearTile(32, 128, 4, 4, split_k=8), parts="no state update"),
-    "GEMMs, out 64x64 split 8": WideVariant(out_tile=LinearTile(64, 64, 4, 4, split_k=8), parts="no state update"),
-    "GEMMs, out 16x256 split 4": WideVariant(out_tile=LinearTile(16, 256, 4, 3, split_k=4), parts="no state update"),
+    # the GEMMs alone over tiles (columns-first tiles since session 20: 64 columns is the wgmma's M)
+    "GEMMs, in 32 cols": WideVariant(in_tile=LinearTile(32, 128, 4, 4), parts="no state update"),
+    "GEMMs, in 64 cols s3": WideVariant(in_tile=LinearTile(64, 128, 4, 3), parts="no state update"),
+    "GEMMs, in 128 cols k64 s6": WideVariant(in_tile=LinearTile(128, 64, 4, 6), parts="no state update"),
+    "GEMMs, out 32 cols split 4": WideVariant(out_tile=LinearTile(32, 128, 4, 4, split_k=4), parts="no state update"),
+    "GEMMs, out 64 cols split 2": WideVariant(out_tile=LinearTile(64, 128, 4, 4, split_k=2), parts="no state update"),
+    "GEMMs, out 64 cols split 8": WideVariant(out_tile=LinearTile(64, 128, 4, 4, split_k=8), parts="no state update"),
+    "GEMMs, in 32 / out 64 split 8": WideVariant(in_tile=LinearTile(32, 128, 4, 4),
+                                                 out_tile=LinearTile(64, 128, 4, 4, split_k=8), parts="no state update"),
+    "GEMMs, in 32 / out 32 split 4": WideVariant(in_tile=LinearTile(32, 128, 4, 4),
+                                                 out_tile=LinearTile(32, 128, 4, 4, split_k=4), parts="no state update"),
+    "GEMMs, in 32 / out 32 split 8": WideVariant(in_tile=LinearTile(32, 128, 4, 4),
+                                                 out_tile=LinearTile(32, 128, 4, 4, split_k=8), parts="no state update"),
+    "GEMMs, defaults (again, last)": WideVariant(parts="no state update"),
+    "pending, in 32": WideVariant(in_tile=LinearTile(32, 128, 4, 4)),
+    # weight columns loaded before the PDL gates (prefetch_k)
+    "pending, in 32 pre128 / out 32 split 4": WideVariant(in_tile=LinearTile(32, 128, 4, 4, prefetch_k=128),
+                                                          out_tile=LinearTile(32, 128, 4, 4, split_k=4)),
+    "pending, in 32 / out 32 split 4 pre256": WideVariant(in_tile=LinearTile(32, 128, 4, 4),
+                                                          out_tile=LinearTile(32, 128, 4, 4, split_k=4, prefetch_k=256)),
+    "pending, in 32 pre128 / out 32 split 4 pre256": WideVariant(
+        in_tile=LinearTile(32, 128, 4, 4, prefetch_k=128), out_tile=LinearTile(32, 128, 4, 4, split_k=4, prefetch_k=256)),
+    "pending, in 128 k64 s6 / out 32 split 4": WideVariant(in_tile=LinearTile(128, 64, 4, 6),
+                                                           out_tile=LinearTile(32, 128, 4, 4, split_k=4)),
+    # what the conv costs where it is: in_proj's GEMM alone (the state update on a fixed conv output)
+    "pending, no conv, in 32": WideVariant(in_tile=LinearTile(32, 128, 4, 4), parts="no conv"),
+    "pending, no conv, in 64": WideVariant(parts="no conv"),
+    "GEMMs, no conv, in 32": WideVariant(in_tile=LinearTile(32, 128, 4, 4), parts="no conv, no state update"),
+    "GEMMs, no conv, in 64": WideVariant(parts="no conv, no state update"),
+    "pending, in 32 / out 64 split 8": WideVariant(in_tile=LinearTile(32, 128, 4, 4),
+                                                   out_tile=LinearTile(64, 128, 4, 4, split_k=8)),
+    "pending, in 32 / out 32 split 4": WideVariant(in_tile=LinearTile(32, 128, 4, 4),
+                                                   out_tile=LinearTile(32, 128, 4, 4, split_k=4)),
 }
 
 

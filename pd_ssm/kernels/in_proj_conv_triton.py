@@ -12,7 +12,7 @@ GEMV rounds it: same casts, same order (history taps, then the new input, then t
 SiLU), so proj and xbc equal the two-launch path's to the bit.
 
 A pending norm (below) of 2..DOT_CONV_MAX_ROWS rows takes the DOT path's tile (skinny_gemm_triton.py)
-with the same conv in its epilogue, on the tile transposed (channels first: see the kernel's note).
+with the same conv in its epilogue, on that tile (channels first: see the kernel's note).
 Elsewhere (more rows, no pending norm, no CUDA bf16/fp16) `in_proj_conv_triton` runs the two
 kernels it fuses, one after the other.
 
@@ -36,7 +36,7 @@ from pd_ssm.kernels.conv1d_triton_varlen import _silu_in
 from pd_ssm.kernels.launch import FastKernel
 from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 from pd_ssm.kernels.pending_norm import PendingNorm, check_pending_norm, linear_pending_ref
-from pd_ssm.kernels.skinny_gemm_triton import dot_rows, pending_row_scale, row_squares
+from pd_ssm.kernels.skinny_gemm_triton import dot_cols, pending_row_scale, row_squares
 from pd_ssm.kernels.skinny_linear_triton import (
     DOT_TILE,
     FMA_MAX_ROWS,
@@ -155,14 +155,14 @@ def _in_proj_conv_dot_kernel(
     EARLY_TAPS: tl.constexpr,
 ):
     """A few rows of a pending norm (x, ss_ptr [M, n_ss] its partial squares): the DOT path's tile
-    (skinny_gemm_triton.py) of [BLOCK_M rows, BLOCK_N columns], its sums multiplied by each row's
+    (skinny_gemm_triton.py) of [BLOCK_N columns, BLOCK_M rows], its sums multiplied by each row's
     norm scale, then the conv of the tile's xBC columns in every row. EARLY_TAPS: the conv's history
     taps are loaded before the PDL gate and held through the stream, else after it."""
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] row
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] in_proj column
     m_ok = offs_m < M
     n_ok = offs_n < N
-    # NOTE: the conv works on the tile transposed, [BLOCK_N channels, BLOCK_M rows], with in_proj's
+    # NOTE: the conv works on the GEMM's tile, [BLOCK_N channels, BLOCK_M rows], with in_proj's
     # output taken back from memory (this program's own stores, L1 / L2): Triton lays out a tile whose
     # addresses run along no axis (the state's, 3 elements a channel) with its first axis fastest, so
     # a warp's accesses cover channels of one slot (as the conv update kernel's do). In the tensor
@@ -176,21 +176,20 @@ def _in_proj_conv_dot_kernel(
                                                           y_ptr.dtype.element_ty, WIDTH, HAS_CONV_BIAS)
     pdl_gate(PDL)  # x and its squares are the launch before's (out_proj_add_triton.py's reduce)
     ss = row_squares(ss_ptr, offs_m, m_ok, stride_ss, n_ss, SS_BLOCK)
-    acc = dot_rows(x_ptr, w_ptr, offs_m, offs_n, m_ok, n_ok, stride_xm, stride_wn, 0, K, K, BLOCK_M, BLOCK_N,
-                   BLOCK_K, NUM_STAGES, INTERPRETED, IEEE)
+    acc = dot_cols(x_ptr, w_ptr, offs_m, offs_n, m_ok, n_ok, stride_xm, stride_wn, 0, K, K, BLOCK_M, BLOCK_N,
+                   BLOCK_K, NUM_STAGES, K % BLOCK_K != 0, INTERPRETED, IEEE)  # [BLOCK_N, BLOCK_M]
     if not EARLY_TAPS:
         row, st_ok, c_ok, w_last, conv, conv_b = conv_pre(state_ptr, slot, cw_ptr, cb_ptr, c, n_ok[:, None],
                                                           conv_dim, stride_cw_d, stride_cw_k,
                                                           y_ptr.dtype.element_ty, WIDTH, HAS_CONV_BIAS)
     acc *= pending_row_scale(ss, K, eps)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]  # [BLOCK_M, BLOCK_N]
-    tile_ok = m_ok[:, None] & n_ok[None, :]
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
+    tile_ok = n_ok[:, None] & m_ok[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=tile_ok)
     tl.debug_barrier()  # every thread's stores before any thread's loads
-    xv = tl.load(y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None],
-                 mask=n_ok[:, None] & m_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_M]
+    xv = tl.load(y_ptrs, mask=tile_ok, other=0.0)  # [BLOCK_N, BLOCK_M]
     xbc_ptrs = xbc_ptr + offs_m.to(tl.int64)[None, :] * stride_xbc + c  # [BLOCK_N, BLOCK_M]
     conv_post(xv, row, st_ok, c_ok & m_ok[None, :], slot >= 0, w_last, conv, conv_b, xbc_ptrs, state_ptr, WIDTH,
               HAS_CONV_BIAS, FAST_EXP)
@@ -204,9 +203,12 @@ def _in_proj_conv_dot_kernel(
 # (3.04 against 2.92 ms, its 16-row tile at 158 registers under the cap): taps early from 32-row tiles
 DOT_CONV_MAX_ROWS = 32
 EARLY_TAPS_BLOCK_M = 32
-# NOTE: early taps at 32 rows take 190 registers (sm_90), 2 programs per SM; capped at 168 (no
-# spills), 3 per SM hold all 331 of in_proj's at once
+# NOTE: early taps in a 32-column tile at 32 rows take 190 registers (sm_90), 2 programs per SM;
+# capped at 168 (no spills), 3 per SM hold all 331 of in_proj's at once. A 64-column tile (on
+# wgmma) takes 232 with early taps and 235 without, uncapped (168 spills): its shared memory (96 KB)
+# allows 2 programs per SM either way
 EARLY_TAPS_MAXNREG = 168
+EARLY_TAPS_MAXNREG_BLOCK_N = 32  # the cap applies up to this tile width
 
 
 def fusable(hidden: Tensor | PendingNorm, weight: Tensor) -> bool:
@@ -285,6 +287,9 @@ def in_proj_conv_triton(
         else:
             assert ss is not None  # checked above: more rows come as a pending norm
             t = tile or DOT_TILE
+            if t.prefetch_k:
+                raise ValueError(f"in_proj_conv: prefetch_k is the one-row GEMV's; the DOT tile takes none, got "
+                                 f"{t.prefetch_k}")
             block_m = min(64, max(16, pow2(B)))
             early = block_m >= EARLY_TAPS_BLOCK_M
             _IN_PROJ_CONV_DOT[(cdiv(N, t.block_n), cdiv(B, block_m))](
@@ -293,7 +298,8 @@ def in_proj_conv_triton(
                 xbc.stride(0), ss.stride(0), conv_weight.stride(0), conv_weight.stride(1),
                 BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, NUM_STAGES=t.num_stages,
                 INTERPRETED=not x.is_cuda, IEEE=x.dtype == torch.float32, num_warps=t.num_warps, **conv,
-                EARLY_TAPS=early, **({"maxnreg": EARLY_TAPS_MAXNREG} if early and x.is_cuda else {}),
+                EARLY_TAPS=early, **({"maxnreg": EARLY_TAPS_MAXNREG} if early and x.is_cuda
+                                     and t.block_n <= EARLY_TAPS_MAXNREG_BLOCK_N else {}),
                 **launch_options(pdl),
             )
     return proj, xbc

@@ -114,10 +114,11 @@ def _split_reduce_add_kernel(
 
 _OUT_PROJ_ADD = FastKernel(_out_proj_add_kernel)
 _SPLIT_REDUCE_ADD = FastKernel(_split_reduce_add_kernel)
-# NOTE: more than one row: the split-K tile that kept up with cuBLAS in the batch-32 decode chain
-# (82.89 / 83.38 against 82.50 / 83.23 us a layer, benchmarks/wide_out_proj_gpu.py, H200, RESULTS.md
-# session 18); the reduce's column block
-WIDE_TILE = LinearTile(32, 128, 4, 4, split_k=4)
+# NOTE: more than one row: a split-K tile; 32 columns kept up with cuBLAS in the batch-32 decode
+# chain (82.89 / 83.38 against 82.50 / 83.23 us a layer, benchmarks/wide_out_proj_gpu.py, H200,
+# RESULTS.md session 18), 64 (the wgmma's M) stream out_proj alone at 32 rows in 9.5-10.0 against
+# 10.6-11.0 us (benchmarks/few_row_gemm_gpu.py, session 20); the reduce's column block
+WIDE_TILE = LinearTile(64, 128, 4, 4, split_k=4)
 REDUCE_BLOCK = 512
 PENDING_MAX_ROWS = 32  # measured up to here (RESULTS.md session 18); cuBLAS and the norm launch above
 

@@ -1,11 +1,12 @@
 """The DOT path of skinny_linear_triton.py: y = x W^T (+ bias) for a few rows on the tensor cores.
 
-Each program computes a [BLOCK_M, BLOCK_N] tile of y with tl.dot over [BLOCK_K] slices of K, fp32
+Each program computes a tile of y, BLOCK_N columns by BLOCK_M rows, columns first (W's slice is
+the dot's first operand: `dot_cols`), with tl.dot over [BLOCK_K] slices of K and fp32
 accumulation; with a split of K, programs along the third grid axis each sum one slice into an
 fp32 workspace [split, M, N] and a second launch adds the slices up in a fixed order
 (deterministic, unlike atomics). The pending norm (pending_norm.py) uses both forms: in_proj
-unsplit with the norm's row scale in its epilogue (up to 16 rows with the conv there too:
-in_proj_conv_triton.py, which shares `dot_rows` and the scale), out_proj split with its own reduce
+unsplit with the norm's row scale in its epilogue (up to 32 rows with the conv there too:
+in_proj_conv_triton.py, which shares `dot_cols` and the scale), out_proj split with its own reduce
 (out_proj_add_triton.py). The GEMM launches under PDL (pdl.py), as that reduce does: launched
 without it, at 32 rows they left 45 and 22 us of idle GPU a decode step (126 and 63 launches;
 benchmarks/graph_timeline_gpu.py, RESULTS.md session 19).
@@ -34,25 +35,36 @@ if TYPE_CHECKING:
 
 
 @triton.jit
-def dot_rows(
+def dot_cols(
     x_ptr, w_ptr, offs_m, offs_n, m_ok, n_ok, stride_xm, stride_wn, k_first, K: tl.constexpr,
     K_SPAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, INTERPRETED: tl.constexpr, IEEE: tl.constexpr,
+    NUM_STAGES: tl.constexpr, K_MASK: tl.constexpr, INTERPRETED: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """acc [BLOCK_M, BLOCK_N] fp32 = x[offs_m, k] . W[offs_n, k] over k in [k_first, k_first + K_SPAN)
-    (and < K), in BLOCK_K slices through a NUM_STAGES software pipeline."""
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    """acc [BLOCK_N, BLOCK_M] fp32 = W[offs_n, k] . x[offs_m, k] over k in [k_first, k_first + K_SPAN)
+    (and < K where K_MASK), in BLOCK_K slices through a NUM_STAGES software pipeline: y's tile
+    transposed, columns first."""
+    # NOTE: W's slice is the dot's first operand, so that from 64 columns it is the wgmma's M on sm_90
+    # (the rows, 16-64, its N), where a [rows, columns] tile takes mma v2 below 64 rows. out_proj
+    # (split 4) at 32 rows streamed at 2.62-2.79 TB/s on wgmma against 2.38-2.47 for 32 columns on
+    # mma v2 (H200, benchmarks/few_row_gemm_gpu.py, RESULTS.md session 20)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in tl.range(0, K_SPAN, BLOCK_K, num_stages=NUM_STAGES):
         offs_k = k_first + k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        xv = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
-                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        w = tl.load(w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None],
-                    mask=n_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_N] (W^T)
-        if INTERPRETED or IEEE:  # the interpreter's bf16 dot multiplies raw bits: exact fp32 products
-            acc = tl.dot(xv.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        if K_MASK:
+            k_ok = offs_k < K
+            w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+            xt = tl.load(x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + offs_k[:, None],
+                         mask=k_ok[:, None] & m_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_M] (x^T)
         else:
-            acc = tl.dot(xv, w, acc)
+            w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], mask=n_ok[:, None],
+                        other=0.0)  # [BLOCK_N, BLOCK_K]
+            xt = tl.load(x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + offs_k[:, None], mask=m_ok[None, :],
+                         other=0.0)  # [BLOCK_K, BLOCK_M] (x^T)
+        if INTERPRETED or IEEE:  # the interpreter's bf16 dot multiplies raw bits: exact fp32 products
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc)
     return acc
 
 
@@ -67,8 +79,9 @@ def row_squares(ss_ptr, offs_m, m_ok, stride_ss, n_ss, SS_BLOCK: tl.constexpr):
 
 @triton.jit
 def pending_row_scale(ss, K: tl.constexpr, eps):
-    """[BLOCK_M, 1]: each row's norm scale rsqrt(sum of its squares / K + eps) (pending_norm.py)."""
-    return (1.0 / tl.sqrt_rn(tl.sum(ss, axis=1) / K + eps))[:, None]
+    """[1, BLOCK_M]: each row's norm scale rsqrt(sum of its squares / K + eps) (pending_norm.py), against
+    the columns-first tile."""
+    return (1.0 / tl.sqrt_rn(tl.sum(ss, axis=1) / K + eps))[None, :]
 
 
 @triton.jit
@@ -81,8 +94,9 @@ def _skinny_dot_kernel(
     stride_xm, stride_wn, stride_ym, stride_ss,
     # meta-parameters
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, INTERPRETED: tl.constexpr,
-    IEEE: tl.constexpr, PENDING: tl.constexpr, SS_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, K_MASK: tl.constexpr,
+    INTERPRETED: tl.constexpr, IEEE: tl.constexpr, PENDING: tl.constexpr, SS_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """SPLIT == 1: y = x W^T (+ bias) rounded once; else y_ptr is an fp32 [SPLIT, M, N] workspace of
     partial sums over K_PER_SPLIT-long slices of K (bias and rounding left to the reduce kernel).
@@ -100,18 +114,18 @@ def _skinny_dot_kernel(
     pdl_gate(PDL)
     if PENDING:
         ss = row_squares(ss_ptr, offs_m, m_ok, stride_ss, n_ss, SS_BLOCK)
-    acc = dot_rows(x_ptr, w_ptr, offs_m, offs_n, m_ok, n_ok, stride_xm, stride_wn, k_first, K, K_PER_SPLIT,
-                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, INTERPRETED, IEEE)
-    out_ok = m_ok[:, None] & n_ok[None, :]
+    acc = dot_cols(x_ptr, w_ptr, offs_m, offs_n, m_ok, n_ok, stride_xm, stride_wn, k_first, K, K_PER_SPLIT,
+                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, K_MASK, INTERPRETED, IEEE)  # [BLOCK_N, BLOCK_M]
+    out_ok = n_ok[:, None] & m_ok[None, :]
     if SPLIT == 1:
         if PENDING:
             acc *= pending_row_scale(ss, K, eps)
         if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
                  mask=out_ok)
     else:
-        part = y_ptr + (pid_s * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
+        part = y_ptr + (pid_s * M + offs_m.to(tl.int64))[None, :] * N + offs_n[:, None]
         tl.store(part, acc, mask=out_ok)
 
 
@@ -147,6 +161,8 @@ def launch_dot(x: Tensor, weight: Tensor, out: Tensor, t: LinearTile, *, bias: T
                pending: PendingNorm | None = None) -> None:
     """The DOT path's GEMM (arguments checked by the caller): out = x W^T (+ bias) [M, N] in x's dtype
     where t.split_k <= 1, else the fp32 partial sums [split, M, N] for a reduce launch to add up."""
+    if t.prefetch_k:
+        raise ValueError(f"skinny_linear: prefetch_k is the one-row GEMV's; the DOT path takes none, got {t.prefetch_k}")
     M, K = x.shape
     N = weight.shape[0]
     block_m = min(64, max(16, pow2(M)))
@@ -160,7 +176,8 @@ def launch_dot(x: Tensor, weight: Tensor, out: Tensor, t: LinearTile, *, bias: T
             x, weight, bias, out, ss, M, N, K, n_ss, 0.0 if pending is None else float(pending.eps),
             x.stride(0), weight.stride(0), out.stride(-2), 0 if ss is None else ss.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-            K_PER_SPLIT=k_per_split, SPLIT=split, NUM_STAGES=t.num_stages, INTERPRETED=not x.is_cuda,
+            K_PER_SPLIT=k_per_split, SPLIT=split, NUM_STAGES=t.num_stages, K_MASK=k_per_split * split != K,
+            INTERPRETED=not x.is_cuda,
             IEEE=x.dtype == torch.float32, PENDING=pending is not None, SS_BLOCK=pow2(n_ss), PDL=pdl,
             num_warps=t.num_warps, **launch_options(pdl),
         )

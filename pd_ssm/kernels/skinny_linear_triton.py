@@ -59,11 +59,16 @@ FMA_TILE = LinearTile(32, 256, 4, 3)
 # 4-row tiles: out_proj's 2560 rows make 640 programs (8 rows: 320 on 132 SMs, 3 against 2.4 a
 # SM): 29.9 against 30.7-30.8 us per layer, bit-equal (session 7)
 FMA_TILE_NARROW = LinearTile(4, 512, 4, 4, prefetch_k=2048)  # N <= 4096
-# NOTE: at 32 and 128 rows the DOT path lost to cuBLAS (0.66-0.95x, too few programs without split-K),
-# so `linear_triton` keeps cuBLAS there. It serves a pending norm's in_proj (pending_norm.py, up to
-# 32 rows): the scale rides its epilogue, where the norm's launch it saves pays for what it loses to
-# cuBLAS (decode batch 32 5.44 -> 5.36 ms, batch 8 3.25 -> 3.10, RESULTS.md session 18); and, split
-# along K, out_proj there (out_proj_add_triton.py)
+# NOTE: at 32 and 128 rows the DOT path lost to cuBLAS (0.66-0.95x, too few programs without split-K;
+# session 7, 32-column tiles on mma v2), so `linear_triton` keeps cuBLAS there. It serves a pending
+# norm's in_proj (pending_norm.py, up to 32 rows): the scale rides its epilogue, where the norm's
+# launch it saves pays for what it loses to cuBLAS (decode batch 32 5.44 -> 5.36 ms, batch 8 3.25 ->
+# 3.10, RESULTS.md session 18); and, split along K, out_proj there (out_proj_add_triton.py).
+# 32 columns (mma v2), where 64 (the wgmma's M, skinny_gemm_triton.dot_cols) streamed in_proj alone
+# faster at 32 rows (16.7 against 17.2-17.7 us, benchmarks/few_row_gemm_gpu.py) but lost in the
+# layer chains with the conv in its epilogue (235 registers, 2 programs per SM): 8 / 16 / 32 rows
+# 44.2 / 56.5 / 80.0 against 43.9 / 55.5 / 78.5 us a layer (H200, benchmarks/wide_out_proj_gpu.py,
+# RESULTS.md session 20)
 DOT_TILE = LinearTile(32, 128, 4, 4)
 # NOTE: one row only: at 4 and 8 rows the FMA path re-reads W per row and ran 0.22-0.72x cuBLAS
 FMA_MAX_ROWS = 1

@@ -27,7 +27,7 @@ from pd_ssm.kernels.out_proj_add_triton import (
 )
 from pd_ssm.kernels.pending_norm import PendingNorm, linear_pending_ref, out_proj_add_ref
 from pd_ssm.kernels.rmsnorm import RowRms, add_rms_norm_ref
-from pd_ssm.kernels.skinny_linear_triton import skinny_linear_triton
+from pd_ssm.kernels.skinny_linear_triton import LinearTile, skinny_linear_triton
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -258,3 +258,10 @@ def test_bad_arguments_refused() -> None:
     with pytest.raises(ValueError, match="residual"):
         out_proj_add_triton(b["g"], b["w_out"], x_rms, b["residual"][:, :40], b["norm_w"], EPS,
                             residual_dtype=torch.float32)
+    # the one-row GEMV's prefetch is no knob of the DOT tile (measured slower: RESULTS.md session 20)
+    c = in_proj_case(64, 64, 4, 16, 2, torch.float32, seed=3)
+    _, _, p = pending(64, torch.float32, seed=4, rows=3)
+    with pytest.raises(ValueError, match="prefetch_k"):
+        in_proj_conv_triton(p, c["weight"], c["bias"], torch.randn(3, c["conv_weight"].shape[0], WIDTH - 1).to(DEV),
+                            c["conv_weight"], c["conv_bias"], state_indices=torch.arange(3, dtype=torch.int32).to(DEV),
+                            conv_start=64, fused=True, tile=LinearTile(16, 16, 4, 2, prefetch_k=16))

@@ -47,6 +47,8 @@ def test_bad_shapes_are_refused() -> None:
         skinny_linear_triton(torch.randn(300, 8), torch.randn(5, 8))
     with pytest.raises(ValueError, match="bias"):
         skinny_linear_triton(x, torch.randn(5, 8), torch.randn(4))
+    with pytest.raises(ValueError, match="prefetch_k"):  # the one-row GEMV's knob: the DOT path (4 rows) has none
+        skinny_linear_triton(x, torch.randn(5, 8), tile=LinearTile(16, 16, 4, 2, prefetch_k=16))
 
 
 def test_linear_triton_routes_by_rows_and_dtype() -> None:
