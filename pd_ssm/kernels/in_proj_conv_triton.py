@@ -57,8 +57,8 @@ def conv_pre(state_ptr, slot, cw_ptr, cb_ptr, c, n_ok, conv_dim, stride_cw_d, st
     0 <= c < conv_dim) in the rows whose state slots are `slot` (broadcast against c: a scalar against
     [BLOCK_N] at one row, [1, BLOCK_M] against [BLOCK_N, 1] in the DOT tile). They may come before
     in_proj's PDL gate: this layer's previous step wrote the state. Returns the state rows' pointers,
-    their mask, the channels' mask, the last tap's weight, the history taps' fp32 sum and the bias
-    (0 without one)."""
+    their mask, the channels' mask, the last tap's weight, the history taps' fp32 sum, the bias (0
+    without one) and the history taps themselves (a tuple, oldest first: the shift's values)."""
     c_ok = n_ok & (c >= 0) & (c < conv_dim)
     cc = tl.where(c_ok, c, 0)
     st_ok = c_ok & (slot >= 0)  # a negative slot is CUDA-graph padding: touch no state
@@ -69,19 +69,21 @@ def conv_pre(state_ptr, slot, cw_ptr, cb_ptr, c, n_ok, conv_dim, stride_cw_d, st
     # between a product and its sum (the DOT tile's epilogue) the compiler would not contract them,
     # and fp32 results would differ from that kernel's in the last bit
     conv = tl.zeros(row.shape, dtype=tl.float32)
+    taps = ()  # the WIDTH - 1 loaded taps, a Triton tuple built while the loop unrolls
     for k in tl.static_range(WIDTH - 1):
         hk = tl.load(row + k, mask=st_ok, other=0.0).to(act)
         wk = tl.load(w_conv + k * stride_cw_k, mask=c_ok, other=0.0)
         conv = tl.fma(hk.to(tl.float32), wk.to(tl.float32), conv)
+        taps = taps + (hk,)  # type: ignore[assignment]  # (mypy types the empty tuple it starts from)
     if HAS_CONV_BIAS:
         conv_b = tl.load(cb_ptr + cc, mask=c_ok, other=0.0).to(tl.float32)
     else:
         conv_b = 0.0
-    return row, st_ok, c_ok, w_last, conv, conv_b
+    return row, st_ok, c_ok, w_last, conv, conv_b, taps
 
 
 @triton.jit
-def conv_post(xv, row, st_ok, c_ok, live, w_last, conv, conv_b, xbc_ptrs, state_ptr, WIDTH: tl.constexpr,
+def conv_post(xv, row, st_ok, c_ok, live, w_last, conv, conv_b, taps, xbc_ptrs, state_ptr, WIDTH: tl.constexpr,
               HAS_CONV_BIAS: tl.constexpr, FAST_EXP: tl.constexpr):
     """The conv's finish on in_proj's output xv as it is stored (its new input): the last tap, the
     bias, SiLU into xbc (zeros where not live), and the state row shifted left with xv appended."""
@@ -91,13 +93,14 @@ def conv_post(xv, row, st_ok, c_ok, live, w_last, conv, conv_b, xbc_ptrs, state_
         conv += conv_b
     out = _silu_in(conv.to(act), act, FAST_EXP)
     tl.store(xbc_ptrs, tl.where(live, out, 0.0).to(act), mask=c_ok)
-    # shift left (column j <- column j + 1, re-read from L1; the newest <- xv); each barrier orders
-    # every read of a column, whichever thread holds it, before that column is written
-    for j in tl.static_range(WIDTH - 2):
-        nxt = tl.load(row + (j + 1), mask=st_ok, other=0.0).to(act)
-        tl.debug_barrier()
-        tl.store(row + j, nxt.to(state_ptr.dtype.element_ty), mask=st_ok)
+    # shift left from conv_pre's loads (column j <- column j + 1; the newest <- xv), not re-read: one
+    # barrier orders every thread's reads of the row (in conv_pre) before any thread's writes. Against
+    # a re-read and a barrier a column: the batch-1 chain -0.4 to -2.1 us a layer, 8-32 rows -0.6 to
+    # -1.2, the engine's decode steps at batch 1 / 8 / 32 -1.4 / -1.6 / -1.7% (H200, RESULTS.md
+    # session 20)
     tl.debug_barrier()
+    for j in tl.static_range(WIDTH - 2):
+        tl.store(row + j, taps[j + 1].to(state_ptr.dtype.element_ty), mask=st_ok)
     tl.store(row + (WIDTH - 2), xv.to(state_ptr.dtype.element_ty), mask=st_ok)
 
 
@@ -121,7 +124,7 @@ def _in_proj_conv_kernel(
     act = y_ptr.dtype.element_ty
     # before the GEMV's PDL gate: the slot, the conv weights and the history taps
     slot = tl.load(slot_ptr)
-    row, st_ok, c_ok, w_last, conv, conv_b = conv_pre(state_ptr, slot, cw_ptr, cb_ptr, offs_n - conv_start, n_ok,
+    row, st_ok, c_ok, w_last, conv, conv_b, taps = conv_pre(state_ptr, slot, cw_ptr, cb_ptr, offs_n - conv_start, n_ok,
                                                       conv_dim, stride_cw_d, stride_cw_k, act, WIDTH, HAS_CONV_BIAS)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     w_pre = fma_gemv_pre(w_rows, n_ok, K, PRE_K)
@@ -136,8 +139,8 @@ def _in_proj_conv_kernel(
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     xv = y.to(act)  # in_proj's output as it is stored: the conv's new input
     tl.store(y_ptr + offs_n, xv, mask=n_ok)
-    conv_post(xv, row, st_ok, c_ok, slot >= 0, w_last, conv, conv_b, xbc_ptr + (offs_n - conv_start), state_ptr,
-              WIDTH, HAS_CONV_BIAS, FAST_EXP)
+    conv_post(xv, row, st_ok, c_ok, slot >= 0, w_last, conv, conv_b, taps, xbc_ptr + (offs_n - conv_start),
+              state_ptr, WIDTH, HAS_CONV_BIAS, FAST_EXP)
 
 
 @triton.jit
@@ -171,7 +174,7 @@ def _in_proj_conv_dot_kernel(
     slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1)[None, :]  # [1, BLOCK_M]; past M: -1, no state
     c = (offs_n - conv_start)[:, None]  # [BLOCK_N, 1] conv channel
     if EARLY_TAPS:  # before the gate: the conv's state and weights were written two launches back or more
-        row, st_ok, c_ok, w_last, conv, conv_b = conv_pre(state_ptr, slot, cw_ptr, cb_ptr, c, n_ok[:, None],
+        row, st_ok, c_ok, w_last, conv, conv_b, taps = conv_pre(state_ptr, slot, cw_ptr, cb_ptr, c, n_ok[:, None],
                                                           conv_dim, stride_cw_d, stride_cw_k,
                                                           y_ptr.dtype.element_ty, WIDTH, HAS_CONV_BIAS)
     pdl_gate(PDL)  # x and its squares are the launch before's (out_proj_add_triton.py's reduce)
@@ -179,7 +182,7 @@ def _in_proj_conv_dot_kernel(
     acc = dot_cols(x_ptr, w_ptr, offs_m, offs_n, m_ok, n_ok, stride_xm, stride_wn, 0, K, K, BLOCK_M, BLOCK_N,
                    BLOCK_K, NUM_STAGES, K % BLOCK_K != 0, INTERPRETED, IEEE)  # [BLOCK_N, BLOCK_M]
     if not EARLY_TAPS:
-        row, st_ok, c_ok, w_last, conv, conv_b = conv_pre(state_ptr, slot, cw_ptr, cb_ptr, c, n_ok[:, None],
+        row, st_ok, c_ok, w_last, conv, conv_b, taps = conv_pre(state_ptr, slot, cw_ptr, cb_ptr, c, n_ok[:, None],
                                                           conv_dim, stride_cw_d, stride_cw_k,
                                                           y_ptr.dtype.element_ty, WIDTH, HAS_CONV_BIAS)
     acc *= pending_row_scale(ss, K, eps)
@@ -191,8 +194,8 @@ def _in_proj_conv_dot_kernel(
     tl.debug_barrier()  # every thread's stores before any thread's loads
     xv = tl.load(y_ptrs, mask=tile_ok, other=0.0)  # [BLOCK_N, BLOCK_M]
     xbc_ptrs = xbc_ptr + offs_m.to(tl.int64)[None, :] * stride_xbc + c  # [BLOCK_N, BLOCK_M]
-    conv_post(xv, row, st_ok, c_ok & m_ok[None, :], slot >= 0, w_last, conv, conv_b, xbc_ptrs, state_ptr, WIDTH,
-              HAS_CONV_BIAS, FAST_EXP)
+    conv_post(xv, row, st_ok, c_ok & m_ok[None, :], slot >= 0, w_last, conv, conv_b, taps, xbc_ptrs, state_ptr,
+              WIDTH, HAS_CONV_BIAS, FAST_EXP)
 
 
 # NOTE: the conv in the DOT tile's epilogue against its own launch, in the layer chains (H200, 2.7B
@@ -203,8 +206,8 @@ def _in_proj_conv_dot_kernel(
 # (3.04 against 2.92 ms, its 16-row tile at 158 registers under the cap): taps early from 32-row tiles
 DOT_CONV_MAX_ROWS = 32
 EARLY_TAPS_BLOCK_M = 32
-# NOTE: early taps in a 32-column tile at 32 rows take 190 registers (sm_90), 2 programs per SM;
-# capped at 168 (no spills), 3 per SM hold all 331 of in_proj's at once. A 64-column tile (on
+# NOTE: early taps in a 32-column tile at 32 rows take 190 registers (sm_90; 177 since the shift
+# holds its taps), 2 programs per SM; capped at 168 (no spills), 3 per SM hold all 331 of in_proj's. A 64-column tile (on
 # wgmma) takes 232 with early taps and 235 without, uncapped (168 spills): its shared memory (96 KB)
 # allows 2 programs per SM either way
 EARLY_TAPS_MAXNREG = 168
