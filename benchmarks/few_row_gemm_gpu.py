@@ -3,14 +3,15 @@
 would do better.
 
 A probe kernel (this file only) computes x W^T for M rows in three layouts:
-- "plain": the DOT path's [rows, columns] tile (mma v2 below 64 rows), as skinny_gemm_triton.py;
+- "plain": a [rows, columns] tile (mma v2 below 64 rows), the DOT path's until session 20;
 - "swap": the transposed tile, W's [columns, K] slice as the dot's first operand (64 or 128 columns:
-  the wgmma's M on sm_90) and x^T as its N; the output is stored transposed;
+  the wgmma's M on sm_90) and x^T as its N, the output stored transposed (skinny_gemm_triton.py's
+  `dot_cols` since session 20);
 - "swap tma": the same with W's tiles through a TMA descriptor.
 Each program covers N_PER columns of a BLOCK_N tile (the rest masked: no bytes loaded), so the
 number of programs can be set to a multiple of the SMs' slots (the grid's balance), and K may be
 split (fp32 partials; their reduce is not timed here). Beside them: the DOT path itself
-(skinny_gemm_triton.launch_dot), the one-row GEMV, and a device copy of the same bytes.
+(skinny_gemm_triton.launch_dot, with DOT_TILE), the one-row GEMV, and a device copy of the same bytes.
 
 Timing: FEW_COPIES copies of each weight (past L2) in one CUDA graph, median of 7 replays, µs a
 call and the weights' TB/s. Each probe's output is checked against torch's fp32 product.

@@ -8,7 +8,9 @@ Part 2 (WIDE_PENDING=1): at WIDE_ROWS rows (default 8 and 32), the engine's chai
 pending norm (norm launch, cuBLAS in_proj, conv + gated state update, cuBLAS out_proj) against the
 pending chain (in_proj on the DOT path with the scale, conv, gated state update, split-K out_proj
 with the add) over in_proj and out_proj tiles; since session 19 with the conv in in_proj's epilogue
-(one launch) against its own launch, and each with every kernel launched without PDL.
+(one launch) against its own launch, and each with every kernel launched without PDL; since session
+20 by parts ("no state update", "state update only", "no conv": in_proj's GEMM alone, the state
+update on a fixed conv output) and over columns-first tiles (64 columns: the wgmma's M).
 
 Mamba2-2.7B shape, bf16, fp32 state and residual, 32 sequences, 32 layers on their own weights and
 pools, one CUDA graph, PDL as the engine runs it; per layer: add_rms_norm (deferred gated-norm
@@ -140,39 +142,22 @@ PENDING_VARIANTS: dict[str, WideVariant] = {
     "pending, conv in in_proj, no PDL": WideVariant(pdl=False),
     "pending, no state update": WideVariant(parts="no state update"),
     "pending, state update only": WideVariant(parts="state update only"),
-    # the GEMMs alone over tiles (columns-first tiles since session 20: 64 columns is the wgmma's M)
-    "GEMMs, in 32 cols": WideVariant(in_tile=LinearTile(32, 128, 4, 4), parts="no state update"),
+    # columns-first tiles since session 20 (64 columns: the wgmma's M); the defaults are in 32, out 64
+    # split 4. The GEMMs alone over tiles:
+    "GEMMs, in 64 cols": WideVariant(in_tile=LinearTile(64, 128, 4, 4), parts="no state update"),
     "GEMMs, in 64 cols s3": WideVariant(in_tile=LinearTile(64, 128, 4, 3), parts="no state update"),
     "GEMMs, in 128 cols k64 s6": WideVariant(in_tile=LinearTile(128, 64, 4, 6), parts="no state update"),
     "GEMMs, out 32 cols split 4": WideVariant(out_tile=LinearTile(32, 128, 4, 4, split_k=4), parts="no state update"),
     "GEMMs, out 64 cols split 2": WideVariant(out_tile=LinearTile(64, 128, 4, 4, split_k=2), parts="no state update"),
     "GEMMs, out 64 cols split 8": WideVariant(out_tile=LinearTile(64, 128, 4, 4, split_k=8), parts="no state update"),
-    "GEMMs, in 32 / out 64 split 8": WideVariant(in_tile=LinearTile(32, 128, 4, 4),
-                                                 out_tile=LinearTile(64, 128, 4, 4, split_k=8), parts="no state update"),
-    "GEMMs, in 32 / out 32 split 4": WideVariant(in_tile=LinearTile(32, 128, 4, 4),
-                                                 out_tile=LinearTile(32, 128, 4, 4, split_k=4), parts="no state update"),
-    "GEMMs, in 32 / out 32 split 8": WideVariant(in_tile=LinearTile(32, 128, 4, 4),
-                                                 out_tile=LinearTile(32, 128, 4, 4, split_k=8), parts="no state update"),
-    "GEMMs, defaults (again, last)": WideVariant(parts="no state update"),
-    "pending, in 32": WideVariant(in_tile=LinearTile(32, 128, 4, 4)),
-    # weight columns loaded before the PDL gates (prefetch_k)
-    "pending, in 32 pre128 / out 32 split 4": WideVariant(in_tile=LinearTile(32, 128, 4, 4, prefetch_k=128),
-                                                          out_tile=LinearTile(32, 128, 4, 4, split_k=4)),
-    "pending, in 32 / out 32 split 4 pre256": WideVariant(in_tile=LinearTile(32, 128, 4, 4),
-                                                          out_tile=LinearTile(32, 128, 4, 4, split_k=4, prefetch_k=256)),
-    "pending, in 32 pre128 / out 32 split 4 pre256": WideVariant(
-        in_tile=LinearTile(32, 128, 4, 4, prefetch_k=128), out_tile=LinearTile(32, 128, 4, 4, split_k=4, prefetch_k=256)),
-    "pending, in 128 k64 s6 / out 32 split 4": WideVariant(in_tile=LinearTile(128, 64, 4, 6),
-                                                           out_tile=LinearTile(32, 128, 4, 4, split_k=4)),
+    # the whole chain over tiles
+    "pending, in 64": WideVariant(in_tile=LinearTile(64, 128, 4, 4)),
+    "pending, in 128 k64 s6": WideVariant(in_tile=LinearTile(128, 64, 4, 6)),
+    "pending, out 32 split 4": WideVariant(out_tile=LinearTile(32, 128, 4, 4, split_k=4)),
+    "pending, out 64 split 8": WideVariant(out_tile=LinearTile(64, 128, 4, 4, split_k=8)),
     # what the conv costs where it is: in_proj's GEMM alone (the state update on a fixed conv output)
-    "pending, no conv, in 32": WideVariant(in_tile=LinearTile(32, 128, 4, 4), parts="no conv"),
-    "pending, no conv, in 64": WideVariant(parts="no conv"),
-    "GEMMs, no conv, in 32": WideVariant(in_tile=LinearTile(32, 128, 4, 4), parts="no conv, no state update"),
-    "GEMMs, no conv, in 64": WideVariant(parts="no conv, no state update"),
-    "pending, in 32 / out 64 split 8": WideVariant(in_tile=LinearTile(32, 128, 4, 4),
-                                                   out_tile=LinearTile(64, 128, 4, 4, split_k=8)),
-    "pending, in 32 / out 32 split 4": WideVariant(in_tile=LinearTile(32, 128, 4, 4),
-                                                   out_tile=LinearTile(32, 128, 4, 4, split_k=4)),
+    "pending, no conv": WideVariant(parts="no conv"),
+    "GEMMs, no conv": WideVariant(parts="no conv, no state update"),
 }
 
 
