@@ -46,12 +46,13 @@ from benchmarks.decode_layers import (
 )
 from pd_ssm.kernels import in_proj_conv_triton as in_proj_conv
 from pd_ssm.kernels.in_proj_conv_triton import EARLY_TAPS_BLOCK_M, in_proj_conv_triton
-from pd_ssm.kernels.mixer_decode_triton import mamba2_decode_step_triton
+from pd_ssm.kernels.mixer_decode_triton import launch_decode_step, mamba2_decode_step_triton
 from pd_ssm.kernels.out_proj_add_triton import out_proj_add_triton
 from pd_ssm.kernels.pending_norm import PendingNorm
 from pd_ssm.kernels.rmsnorm import GatedSquares, RowRms
 from pd_ssm.kernels.rmsnorm_triton import add_rms_norm_triton
 from pd_ssm.kernels.skinny_linear_triton import LinearTile, skinny_linear_triton
+from pd_ssm.kernels.ssu_triton import SSUConfig
 
 L = 32
 
@@ -88,9 +89,7 @@ class Wide(DecodeLayers):
         hidden: torch.Tensor | PendingNorm = normed
         if v.parts == "state update only":  # on fixed inputs: the state's bytes alone
             for i in range(L):
-                gs = mamba2_decode_step_triton(self.proj0, self.conv[i], self.cw, self.cb, self.ssm[i], self.A,
-                                               self.D, self.dt_bias, self.gate_w, state_indices=self.slots, ngroups=G,
-                                               xbc=self.xbc0)
+                gs = self.state_update(v, i, self.proj0, self.xbc0)
             os.environ["PD_SSM_PDL"] = "1"
             return gs.g.float()
         for i in range(L):
@@ -104,14 +103,21 @@ class Wide(DecodeLayers):
             if v.parts.endswith("no state update"):  # out_proj on a fixed gated input: the weights' bytes alone
                 gs = GatedSquares(self.delta_in, self.sq)
             else:
-                gs = mamba2_decode_step_triton(proj, self.conv[i], self.cw, self.cb, self.ssm[i], self.A, self.D,
-                                               self.dt_bias, self.gate_w, state_indices=self.slots, ngroups=G,
-                                               xbc=xbc)
+                gs = self.state_update(v, i, proj, xbc)
             residual, hidden = out_proj_add_triton(gs.g, self.w_out[i], RowRms(gs.sq, D_INNER, EPS), residual,
                                                    self.norm_w[(i + 1) % L], EPS, residual_dtype=torch.float32,
                                                    tile=v.out_tile)
         os.environ["PD_SSM_PDL"] = "1"
         return residual
+
+
+    def state_update(self, v: WideVariant, i: int, proj: torch.Tensor, xbc: torch.Tensor) -> GatedSquares:
+        """Layer i's gated state update on the conv's output xbc, with v's tile (None: the default)."""
+        if v.ssu is None:
+            return mamba2_decode_step_triton(proj, self.conv[i], self.cw, self.cb, self.ssm[i], self.A, self.D,
+                                             self.dt_bias, self.gate_w, state_indices=self.slots, ngroups=G, xbc=xbc)
+        return launch_decode_step(proj, self.conv[i], self.cw, self.cb, self.ssm[i], self.A, self.D, self.dt_bias,
+                                  self.gate_w, self.slots, G, v.ssu, xbc)
 
 
 TILES: dict[str, LinearTile | None] = {
@@ -132,6 +138,7 @@ class WideVariant(NamedTuple):
     pdl: bool = True  # False: every kernel launched without PDL (PD_SSM_PDL=0 while the graph is captured)
     parts: str = "all"  # or "no state update" / "state update only" / "no conv" / "no conv, no state update"
     early_block_m: int = 0  # in_proj_conv's EARLY_TAPS_BLOCK_M while the graph is captured (0: its own)
+    ssu: SSUConfig | None = None  # the gated state update's tile (None: mixer_decode_triton.default_config)
 
 
 PENDING_VARIANTS: dict[str, WideVariant] = {
@@ -155,6 +162,14 @@ PENDING_VARIANTS: dict[str, WideVariant] = {
     "pending, in 128 k64 s6": WideVariant(in_tile=LinearTile(128, 64, 4, 6)),
     "pending, out 32 split 4": WideVariant(out_tile=LinearTile(32, 128, 4, 4, split_k=4)),
     "pending, out 64 split 8": WideVariant(out_tile=LinearTile(64, 128, 4, 4, split_k=8)),
+    # the gated state update's tile (default at 8+ rows: 16 headdim rows, 2 warps)
+    "pending, state update 8 rows w1": WideVariant(ssu=SSUConfig(8, 1)),
+    "pending, state update 8 rows w2": WideVariant(ssu=SSUConfig(8, 2)),
+    "pending, state update 16 rows w1": WideVariant(ssu=SSUConfig(16, 1)),
+    "pending, state update 16 rows w4": WideVariant(ssu=SSUConfig(16, 4)),
+    "pending, state update 32 rows w2": WideVariant(ssu=SSUConfig(32, 2)),
+    "pending, state update 32 rows w4": WideVariant(ssu=SSUConfig(32, 4)),
+    "pending, state update 64 rows w4": WideVariant(ssu=SSUConfig(64, 4)),
     # what the conv costs where it is: in_proj's GEMM alone (the state update on a fixed conv output)
     "pending, no conv": WideVariant(parts="no conv"),
     "GEMMs, no conv": WideVariant(parts="no conv, no state update"),

@@ -147,12 +147,14 @@ def mamba2_decode_step_triton(
 
 
 def default_config(batch: int, headdim: int, dstate: int, state_dtype: torch.dtype) -> SSUConfig:
-    """The state update's tile; two warps a program from 32 sequences on. Measured per layer in CUDA
-    graphs on an H200, 2.7B shape (decode_step_gpu.py, RESULTS.md session 4): at batch 32 / 128 two
-    warps 50.0 / 182.9 us, four 53.4 / 192.0 us, the three-kernel path 52.1 / 184.8 us; at batch 1
-    four warps 6.6 us against the three kernels' 8.3 us."""
+    """The state update's tile; from 32 sequences on, half the rows (4 KB of fp32 state) and one warp
+    a program. Measured per layer in CUDA graphs on an H200, 2.7B shape: at batch 32 / 128 two warps
+    50.0 / 182.9 us, four 53.4 / 192.0 us, the three-kernel path 52.1 / 184.8 us, at batch 1 four
+    warps 6.6 us against the three kernels' 8.3 us (decode_step_gpu.py, RESULTS.md session 4); in
+    the 32-row layer chain (the pending norm's, session 20, wide_out_proj_gpu.py) 8 rows and one warp
+    75.9-76.0 against 77.2-77.6 us a layer for 16 rows and two."""
     cfg = ssu_config(headdim, dstate, state_dtype)
-    return cfg if batch < 32 else cfg._replace(num_warps=2)
+    return cfg if batch < 32 else cfg._replace(block_p=max(1, cfg.block_p // 2), num_warps=1)
 
 
 _GATED_SSU = FastKernel(_gated_ssu_kernel)
