@@ -207,9 +207,9 @@ def _in_proj_conv_dot_kernel(
 DOT_CONV_MAX_ROWS = 32
 EARLY_TAPS_BLOCK_M = 32
 # NOTE: early taps in a 32-column tile at 32 rows take 190 registers (sm_90; 177 since the shift
-# holds its taps), 2 programs per SM; capped at 168 (no spills), 3 per SM hold all 331 of in_proj's. A 64-column tile (on
-# wgmma) takes 232 with early taps and 235 without, uncapped (168 spills): its shared memory (96 KB)
-# allows 2 programs per SM either way
+# holds its taps), 2 programs per SM; capped at 168 (no spills), 3 per SM hold all 331 of in_proj's.
+# A 64-column tile (on wgmma) takes 232 with early taps and 235 without, uncapped (168 spills): its
+# shared memory (96 KB) allows 2 programs per SM either way
 EARLY_TAPS_MAXNREG = 168
 EARLY_TAPS_MAXNREG_BLOCK_N = 32  # the cap applies up to this tile width
 
