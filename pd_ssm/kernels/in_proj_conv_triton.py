@@ -36,7 +36,7 @@ from pd_ssm.kernels.conv1d_triton_varlen import _silu_in
 from pd_ssm.kernels.launch import FastKernel
 from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 from pd_ssm.kernels.pending_norm import PendingNorm, check_pending_norm, linear_pending_ref
-from pd_ssm.kernels.skinny_gemm_triton import dot_cols, pending_row_scale, row_squares
+from pd_ssm.kernels.skinny_gemm_triton import check_dot_tile, dot_cols, pending_row_scale, row_squares
 from pd_ssm.kernels.skinny_linear_triton import (
     DOT_TILE,
     FMA_MAX_ROWS,
@@ -124,8 +124,9 @@ def _in_proj_conv_kernel(
     act = y_ptr.dtype.element_ty
     # before the GEMV's PDL gate: the slot, the conv weights and the history taps
     slot = tl.load(slot_ptr)
-    row, st_ok, c_ok, w_last, conv, conv_b, taps = conv_pre(state_ptr, slot, cw_ptr, cb_ptr, offs_n - conv_start, n_ok,
-                                                      conv_dim, stride_cw_d, stride_cw_k, act, WIDTH, HAS_CONV_BIAS)
+    row, st_ok, c_ok, w_last, conv, conv_b, taps = conv_pre(state_ptr, slot, cw_ptr, cb_ptr, offs_n - conv_start,
+                                                            n_ok, conv_dim, stride_cw_d, stride_cw_k, act, WIDTH,
+                                                            HAS_CONV_BIAS)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     w_pre = fma_gemv_pre(w_rows, n_ok, K, PRE_K)
     pdl_gate(PDL)
@@ -175,16 +176,16 @@ def _in_proj_conv_dot_kernel(
     c = (offs_n - conv_start)[:, None]  # [BLOCK_N, 1] conv channel
     if EARLY_TAPS:  # before the gate: the conv's state and weights were written two launches back or more
         row, st_ok, c_ok, w_last, conv, conv_b, taps = conv_pre(state_ptr, slot, cw_ptr, cb_ptr, c, n_ok[:, None],
-                                                          conv_dim, stride_cw_d, stride_cw_k,
-                                                          y_ptr.dtype.element_ty, WIDTH, HAS_CONV_BIAS)
+                                                                conv_dim, stride_cw_d, stride_cw_k,
+                                                                y_ptr.dtype.element_ty, WIDTH, HAS_CONV_BIAS)
     pdl_gate(PDL)  # x and its squares are the launch before's (out_proj_add_triton.py's reduce)
     ss = row_squares(ss_ptr, offs_m, m_ok, stride_ss, n_ss, SS_BLOCK)
     acc = dot_cols(x_ptr, w_ptr, offs_m, offs_n, m_ok, n_ok, stride_xm, stride_wn, 0, K, K, BLOCK_M, BLOCK_N,
                    BLOCK_K, NUM_STAGES, K % BLOCK_K != 0, INTERPRETED, IEEE)  # [BLOCK_N, BLOCK_M]
     if not EARLY_TAPS:
         row, st_ok, c_ok, w_last, conv, conv_b, taps = conv_pre(state_ptr, slot, cw_ptr, cb_ptr, c, n_ok[:, None],
-                                                          conv_dim, stride_cw_d, stride_cw_k,
-                                                          y_ptr.dtype.element_ty, WIDTH, HAS_CONV_BIAS)
+                                                                conv_dim, stride_cw_d, stride_cw_k,
+                                                                y_ptr.dtype.element_ty, WIDTH, HAS_CONV_BIAS)
     acc *= pending_row_scale(ss, K, eps)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -290,9 +291,7 @@ def in_proj_conv_triton(
         else:
             assert ss is not None  # checked above: more rows come as a pending norm
             t = tile or DOT_TILE
-            if t.prefetch_k:
-                raise ValueError(f"in_proj_conv: prefetch_k is the one-row GEMV's; the DOT tile takes none, got "
-                                 f"{t.prefetch_k}")
+            check_dot_tile("in_proj_conv", t)
             block_m = min(64, max(16, pow2(B)))
             early = block_m >= EARLY_TAPS_BLOCK_M
             _IN_PROJ_CONV_DOT[(cdiv(N, t.block_n), cdiv(B, block_m))](

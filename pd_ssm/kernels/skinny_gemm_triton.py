@@ -157,12 +157,18 @@ _SKINNY_DOT = FastKernel(_skinny_dot_kernel)
 _SPLIT_REDUCE = FastKernel(_split_reduce_kernel)
 
 
+def check_dot_tile(kernel: str, t: LinearTile) -> None:
+    """Refuse a tile knob the DOT path has not: prefetch_k is the one-row GEMV's (loaded before the PDL
+    gate, it lost 0.4-3.1 us a layer in the DOT tile: RESULTS.md session 20)."""
+    if t.prefetch_k:
+        raise ValueError(f"{kernel}: prefetch_k is the one-row GEMV's; the DOT tile takes none, got {t.prefetch_k}")
+
+
 def launch_dot(x: Tensor, weight: Tensor, out: Tensor, t: LinearTile, *, bias: Tensor | None = None,
                pending: PendingNorm | None = None) -> None:
     """The DOT path's GEMM (arguments checked by the caller): out = x W^T (+ bias) [M, N] in x's dtype
     where t.split_k <= 1, else the fp32 partial sums [split, M, N] for a reduce launch to add up."""
-    if t.prefetch_k:
-        raise ValueError(f"skinny_linear: prefetch_k is the one-row GEMV's; the DOT path takes none, got {t.prefetch_k}")
+    check_dot_tile("skinny_linear", t)
     M, K = x.shape
     N = weight.shape[0]
     block_m = min(64, max(16, pow2(M)))
