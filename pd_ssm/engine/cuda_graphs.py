@@ -39,6 +39,7 @@ import torch
 from pd_ssm.cache.pool import CachePool
 from pd_ssm.config import ModelConfig
 from pd_ssm.engine.forward_meta import ForwardMeta
+from pd_ssm.engine.host_copy import copy_from_host
 from pd_ssm.engine.inflight import TokenFeed
 from pd_ssm.kernels.dispatch import Kernels
 from pd_ssm.models.base import CausalLM
@@ -168,10 +169,10 @@ class DecodeBuffers:
     def fill(self, padded: PaddedDecode) -> None:
         """Copy a padded batch into the buffers: one host->device copy (two with KV tables)."""
         p = padded.size
-        self.stage[: _STAGE_WORDS * p].copy_(pack_stage(padded.stage, p), non_blocking=True)
+        copy_from_host(self.stage[: _STAGE_WORDS * p], pack_stage(padded.stage, p))
         if padded.width:
             host = torch.tensor(padded.tables, dtype=torch.int32)  # [P, w]
-            self.block_tables[:p, : padded.width].copy_(host, non_blocking=True)
+            copy_from_host(self.block_tables[:p, : padded.width], host)
             # NOTE: entries past a row's last block are ignored by the kernels; zeroed all the same
             self.block_tables[:p, padded.width :].zero_()
 

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from pd_ssm.cache.manager import CacheManager
 from pd_ssm.engine.device_sample import DeviceSample
+from pd_ssm.engine.host_copy import host_values
 from pd_ssm.engine.request import Request
 from pd_ssm.engine.scheduler import Scheduler
 
@@ -59,8 +60,8 @@ class TokenFeed(NamedTuple):
             ids[:n].copy_(self.tokens[:n])
             return
         dev = self.tokens.device
-        src = torch.tensor(self.src, dtype=torch.int64, device=dev)
-        ids.index_copy_(0, torch.tensor(self.dst, dtype=torch.int64, device=dev), self.tokens.index_select(0, src))
+        src = host_values(self.src, torch.int64, dev)
+        ids.index_copy_(0, host_values(self.dst, torch.int64, dev), self.tokens.index_select(0, src))
 
 
 def token_feed(decodes: list[Request], inflight: InflightStep | None) -> TokenFeed | None:

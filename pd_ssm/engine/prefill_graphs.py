@@ -49,6 +49,7 @@ import torch
 from pd_ssm.cache.pool import CachePool
 from pd_ssm.engine.cuda_graphs import capture_graph
 from pd_ssm.engine.forward_meta import ForwardMeta
+from pd_ssm.engine.host_copy import copy_from_host
 from pd_ssm.models.base import CausalLM
 
 _TOKEN_ROWS = 3  # input_ids, positions, slot_mapping
@@ -141,13 +142,13 @@ class PrefillBuffers:
         self.block_tables = torch.zeros(max_seqs, width, dtype=torch.int32, device=device)
 
     def fill(self, padded: PaddedPrefill, bucket: tuple[int, int]) -> None:
-        """Two host->device copies (three with KV tables), all non-blocking from pageable lists."""
+        """Two host->device copies (three with KV tables), none waiting for the GPU (host_copy.py)."""
         tb, sb = bucket
-        self.tokens[: _TOKEN_ROWS * tb].copy_(torch.tensor(padded.tokens, dtype=torch.int64), non_blocking=True)
-        self.seqs[: 4 * sb + 1].copy_(torch.tensor(padded.seqs, dtype=torch.int32), non_blocking=True)
+        copy_from_host(self.tokens[: _TOKEN_ROWS * tb], torch.tensor(padded.tokens, dtype=torch.int64))
+        copy_from_host(self.seqs[: 4 * sb + 1], torch.tensor(padded.seqs, dtype=torch.int32))
         if padded.width:
             host = torch.tensor(padded.tables, dtype=torch.int32)  # [Sb, w]
-            self.block_tables[:sb, : padded.width].copy_(host, non_blocking=True)
+            copy_from_host(self.block_tables[:sb, : padded.width], host)
             self.block_tables[:sb, padded.width :].zero_()
 
     def inputs(self, bucket: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, ForwardMeta]:

@@ -49,7 +49,7 @@ class ModelRunner:
         self.pool = pool
         self.cache = cache
         self.device = device
-        self.sampler = Sampler()
+        self.sampler = Sampler(argmax=model.kernels.greedy_argmax)
         self.graphs: DecodeGraphs | None = None  # set by the engine after capture (CUDA only)
         # prefill role: ships the pages of prefills that finish in a step, layer by layer (eager)
         self.layer_export: LayerExporter | None = None

@@ -31,11 +31,14 @@ CUDA, element t of a row comes from Philox subsequence t as long as V <= SMs * m
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from pd_ssm.engine.device_sample import DeviceSample, LogprobParts, SamplerOutput
+from pd_ssm.engine.host_copy import host_values
+from pd_ssm.kernels.argmax import greedy_argmax_ref
 from pd_ssm.sampling_params import SamplingParams
 
 # NOTE: below this temperature a row samples greedily (vLLM's _SAMPLING_EPS); logits / T would
@@ -84,7 +87,9 @@ class Sampler:
     `logits` is not modified.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, argmax: Callable[[Tensor], Tensor] = greedy_argmax_ref) -> None:
+        # the greedy argmax [N, V] -> [N] int64 (first maximum): a model's `kernels.greedy_argmax`
+        self._argmax = argmax
         # one reusable generator per device; reseeded for every row, so it carries no state across calls
         self._generators: dict[torch.device, torch.Generator] = {}
 
@@ -109,10 +114,10 @@ class Sampler:
         _check_inputs(logits, params, seeds, offsets)
         if logits.dtype != torch.float32:
             logits = logits.float()
-        tokens = logits.argmax(dim=-1)  # [N] int64; greedy rows keep it
+        tokens = self._argmax(logits)  # [N] int64; greedy rows keep it
         sampled_rows = [i for i, p in enumerate(params) if not _is_greedy(p)]
         if sampled_rows:
-            idx = torch.tensor(sampled_rows, device=logits.device)
+            idx = host_values(sampled_rows, torch.int64, logits.device)
             tokens[idx] = self._sample(logits, sampled_rows, params, seeds, offsets)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         lp = None
@@ -130,14 +135,14 @@ class Sampler:
         offsets: list[int],
     ) -> Tensor:
         device = logits.device
-        idx = torch.tensor(rows, device=device)
-        temp = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32, device=device)
+        idx = host_values(rows, torch.int64, device)
+        temp = host_values([params[i].temperature for i in rows], torch.float32, device)
         probs = torch.softmax(logits.index_select(0, idx) / temp[:, None], dim=-1)  # [M, V]
         # NOTE: rows without filters skip the sort entirely; a filter whose parameter is off masks
         # nothing, so a row's probs are the same whichever other rows share its batch.
         filtered = [j for j, i in enumerate(rows) if _has_filters(params[i])]
         if filtered:
-            fidx = torch.tensor(filtered, device=device)
+            fidx = host_values(filtered, torch.int64, device)
             fparams = [params[rows[j]] for j in filtered]
             sub = probs.index_select(0, fidx)  # [F, V]
             probs[fidx] = sub.masked_fill(_filter_mask(sub, fparams), 0.0)
@@ -163,10 +168,10 @@ def _filter_mask(probs: Tensor, params: list[SamplingParams]) -> Tensor:
     device = probs.device
     # stable: equal probabilities keep token-id order, so ties go to the lower id
     sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)  # [F, V] each
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    top_k = host_values([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64, device)
     drop = torch.arange(vocab, device=device)[None, :] >= top_k[:, None]  # [F, V] in sorted order
     if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        top_p = host_values([p.top_p for p in params], torch.float32, device)
         kept = sorted_p.masked_fill(drop, 0.0)
         cum = kept.cumsum(dim=-1)
         before = torch.cat([cum.new_zeros(f, 1), cum[:, :-1]], dim=-1)  # mass strictly above each token
@@ -174,7 +179,7 @@ def _filter_mask(probs: Tensor, params: list[SamplingParams]) -> Tensor:
         # rows with p == 1 are exempt, else float saturation of the cumsum would cut their tail
         drop |= (before >= top_p[:, None] * cum[:, -1:]) & (top_p < 1.0)[:, None]
     if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+        min_p = host_values([p.min_p for p in params], torch.float32, device)
         # relative to the top token, so renormalization by earlier masks does not change it
         drop |= sorted_p < min_p[:, None] * sorted_p[:, :1]
     return torch.zeros_like(drop).scatter_(-1, order, drop)  # back to token-id order
@@ -184,7 +189,7 @@ def _raw_logprobs(
     logits: Tensor, rows: list[int], params: list[SamplingParams], tokens: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(sampled [L], top values [L, n_max], top ids [L, n_max]) of log_softmax(raw logits)."""
-    idx = torch.tensor(rows, device=logits.device)
+    idx = host_values(rows, torch.int64, logits.device)
     lp = torch.log_softmax(logits.index_select(0, idx), dim=-1)  # [L, V]
     sampled = lp.gather(-1, tokens.index_select(0, idx)[:, None])[:, 0]  # [L]
     n_max = min(max(params[i].logprobs or 0 for i in rows), lp.shape[-1])

@@ -21,6 +21,7 @@ from typing import Any, Literal, TypeVar, cast
 import torch
 from torch import Tensor
 
+from pd_ssm.kernels.argmax import greedy_argmax_ref
 from pd_ssm.kernels.attention import (
     paged_decode_attention_ref,
     varlen_prefill_attention_ref,
@@ -69,6 +70,7 @@ class Kernels:
     varlen_prefill_attention: Callable[..., Tensor]
     paged_decode_attention: Callable[..., Tensor]
     linear: Callable[..., Tensor]
+    greedy_argmax: Callable[[Tensor], Tensor]
 
 
 KERNEL_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Kernels) if f.name != "backend")
@@ -90,10 +92,12 @@ _TORCH_KERNELS: Mapping[str, Callable[..., Any]] = MappingProxyType({
     "varlen_prefill_attention": varlen_prefill_attention_ref,
     "paged_decode_attention": paged_decode_attention_ref,
     "linear": linear_ref,
+    "greedy_argmax": greedy_argmax_ref,
 })
 
 def _triton_kernels() -> dict[str, Callable[..., Any]]:
     """The Triton implementations, imported on first use (importing them loads Triton)."""
+    from pd_ssm.kernels.argmax_triton import GreedyArgmax
     from pd_ssm.kernels.attention_decode_triton import paged_decode_attention_triton
     from pd_ssm.kernels.attention_prefill_triton import varlen_prefill_attention_triton
     from pd_ssm.kernels.conv1d_triton import causal_conv1d_update_triton, causal_conv1d_varlen_triton
@@ -128,6 +132,7 @@ def _triton_kernels() -> dict[str, Callable[..., Any]]:
         "varlen_prefill_attention": varlen_prefill_attention_triton,
         "paged_decode_attention": paged_decode_attention_triton,
         "linear": linear_triton,
+        "greedy_argmax": GreedyArgmax(),
     }
 
 
@@ -193,3 +198,4 @@ write_kv_cache = _routed("write_kv_cache", write_kv_cache_ref)
 varlen_prefill_attention = _routed("varlen_prefill_attention", varlen_prefill_attention_ref)
 paged_decode_attention = _routed("paged_decode_attention", paged_decode_attention_ref)
 linear = _routed("linear", linear_ref)
+greedy_argmax = _routed("greedy_argmax", greedy_argmax_ref)

@@ -140,8 +140,10 @@ def _in_proj_conv_kernel(
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     xv = y.to(act)  # in_proj's output as it is stored: the conv's new input
     tl.store(y_ptr + offs_n, xv, mask=n_ok)
-    conv_post(xv, row, st_ok, c_ok, slot >= 0, w_last, conv, conv_b, taps, xbc_ptr + (offs_n - conv_start),
-              state_ptr, WIDTH, HAS_CONV_BIAS, FAST_EXP)
+    n0 = tl.program_id(0) * BLOCK_N
+    if (n0 < conv_start + conv_dim) & (n0 + BLOCK_N > conv_start):  # NOTE: z and dt tiles skip the barrier
+        conv_post(xv, row, st_ok, c_ok, slot >= 0, w_last, conv, conv_b, taps, xbc_ptr + (offs_n - conv_start),
+                  state_ptr, WIDTH, HAS_CONV_BIAS, FAST_EXP)
 
 
 @triton.jit
@@ -192,11 +194,15 @@ def _in_proj_conv_dot_kernel(
     y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
     tile_ok = n_ok[:, None] & m_ok[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=tile_ok)
-    tl.debug_barrier()  # every thread's stores before any thread's loads
-    xv = tl.load(y_ptrs, mask=tile_ok, other=0.0)  # [BLOCK_N, BLOCK_M]
-    xbc_ptrs = xbc_ptr + offs_m.to(tl.int64)[None, :] * stride_xbc + c  # [BLOCK_N, BLOCK_M]
-    conv_post(xv, row, st_ok, c_ok & m_ok[None, :], slot >= 0, w_last, conv, conv_b, taps, xbc_ptrs, state_ptr,
-              WIDTH, HAS_CONV_BIAS, FAST_EXP)
+    n0 = tl.program_id(0) * BLOCK_N
+    # NOTE: the tiles of z and dt columns (about half of in_proj's) skip the conv: its barrier, the
+    # re-read of their output and the masked stores
+    if (n0 < conv_start + conv_dim) & (n0 + BLOCK_N > conv_start):
+        tl.debug_barrier()  # every thread's stores before any thread's loads
+        xv = tl.load(y_ptrs, mask=tile_ok, other=0.0)  # [BLOCK_N, BLOCK_M]
+        xbc_ptrs = xbc_ptr + offs_m.to(tl.int64)[None, :] * stride_xbc + c  # [BLOCK_N, BLOCK_M]
+        conv_post(xv, row, st_ok, c_ok & m_ok[None, :], slot >= 0, w_last, conv, conv_b, taps, xbc_ptrs, state_ptr,
+                  WIDTH, HAS_CONV_BIAS, FAST_EXP)
 
 
 # NOTE: the conv in the DOT tile's epilogue against its own launch, in the layer chains (H200, 2.7B
