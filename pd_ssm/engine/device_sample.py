@@ -5,6 +5,10 @@ launched, the next one scheduled and launched behind it, and only then the first
 read (async scheduling, engine/inflight.py).  On CUDA `start_copy` queues device->host copies
 into pinned memory and records an event behind them; `host()` waits for that event only.  On the
 CPU the tensors are already on the host and both are plain reads.
+
+A greedy step's tokens need no copy: the argmax kernel writes them into a pinned buffer of a
+`HostTokenRing` as well (a device->host copy behind it cost 8.6 us of GPU time between two
+kernels, benchmarks/RESULTS.md session 21).
 """
 
 from __future__ import annotations
@@ -33,11 +37,14 @@ class LogprobParts(NamedTuple):
 class DeviceSample:
     """One step's sampled tokens [N] (int64, on the logits' device) and logprobs, host copy pending."""
 
-    def __init__(self, tokens: Tensor, logprobs: LogprobParts | None) -> None:
+    def __init__(self, tokens: Tensor, logprobs: LogprobParts | None, host_tokens: Tensor | None = None) -> None:
         self.tokens = tokens  # [N] int64; the next step may feed these to the model on the device
         self.logprobs = logprobs
+        # [N] int64 pinned, written by the sampling kernels themselves (then no logprobs): no copy
+        self._host_tokens = host_tokens
         self._host: list[Tensor] | None = None
         self._event: torch.cuda.Event | None = None
+        self._read: SamplerOutput | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -51,18 +58,25 @@ class DeviceSample:
         if self._host is not None:
             return self
         tensors = self._device_tensors()
-        if self.tokens.device.type != "cuda":
+        if self._host_tokens is not None:  # written by the kernels: nothing to copy
+            self._host = [self._host_tokens]
+        elif self.tokens.device.type != "cuda":
             self._host = tensors
+        else:
+            # NOTE: pinned, or a non_blocking copy to the host would be synchronous anyway
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                          for t in tensors]
+        if self.tokens.device.type != "cuda":
             return self
-        # NOTE: pinned, or a non_blocking copy to the host would be synchronous anyway
-        self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                      for t in tensors]
         self._event = torch.cuda.Event()
         self._event.record()
         return self
 
     def host(self) -> SamplerOutput:
-        """The tokens and logprob dicts as Python values; waits for the copies (starts them if needed)."""
+        """The tokens and logprob dicts as Python values; waits for the copies (starts them if needed).
+        Read once: later calls return the same values."""
+        if self._read is not None:
+            return self._read
         self.start_copy()
         assert self._host is not None
         if self._event is not None:
@@ -76,4 +90,39 @@ class DeviceSample:
                 d = dict(zip(top_ids[j][:n], top_lp[j][:n], strict=True))
                 d.setdefault(token_ids[i], sampled[j])
                 logprobs[i] = d
-        return SamplerOutput(token_ids, logprobs)
+        self._read = SamplerOutput(token_ids, logprobs)
+        return self._read
+
+
+class HostTokenRing:
+    """SLOTS pinned int64 buffers that greedy steps' tokens are written into by the argmax kernel.
+
+    A buffer is handed out again only after the sample that used it was read (`DeviceSample.host`,
+    which keeps its values): a sample read late never sees a later step's tokens, and a kernel never
+    writes a buffer whose values are still unread. With async scheduling a sample is read one step
+    after its launch, so taking a buffer never waits in practice.
+    """
+
+    SLOTS = 4
+
+    def __init__(self, pin: bool = True) -> None:
+        self._pin = pin  # False only in tests without CUDA (pinning needs it)
+        self._bufs: list[Tensor | None] = [None] * self.SLOTS
+        self._users: list[DeviceSample | None] = [None] * self.SLOTS
+        self._next = 0
+
+    def take(self, n: int) -> tuple[int, Tensor]:
+        """(slot, a pinned [n] int64 buffer): bind the sample that uses it with `bind(slot, sample)`."""
+        slot = self._next
+        self._next = (slot + 1) % self.SLOTS
+        user = self._users[slot]
+        if user is not None:
+            user.host()  # its values kept before the buffer is reused
+            self._users[slot] = None
+        buf = self._bufs[slot]
+        if buf is None or buf.shape[0] < n:
+            buf = self._bufs[slot] = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=self._pin)
+        return slot, buf[:n]
+
+    def bind(self, slot: int, sample: DeviceSample) -> None:
+        self._users[slot] = sample

@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from pd_ssm.engine.device_sample import DeviceSample, LogprobParts, SamplerOutput
+from pd_ssm.engine.device_sample import DeviceSample, HostTokenRing, LogprobParts, SamplerOutput
 from pd_ssm.engine.host_copy import host_values
 from pd_ssm.kernels.argmax import greedy_argmax_ref
 from pd_ssm.sampling_params import SamplingParams
@@ -87,9 +87,11 @@ class Sampler:
     `logits` is not modified.
     """
 
-    def __init__(self, argmax: Callable[[Tensor], Tensor] = greedy_argmax_ref) -> None:
-        # the greedy argmax [N, V] -> [N] int64 (first maximum): a model's `kernels.greedy_argmax`
+    def __init__(self, argmax: Callable[..., Tensor] = greedy_argmax_ref) -> None:
+        # the greedy argmax (logits [N, V], host_out) -> [N] int64 (first maximum): a model's
+        # `kernels.greedy_argmax` (kernels/argmax.py)
         self._argmax = argmax
+        self._ring = HostTokenRing()
         # one reusable generator per device; reseeded for every row, so it carries no state across calls
         self._generators: dict[torch.device, torch.Generator] = {}
 
@@ -114,17 +116,22 @@ class Sampler:
         _check_inputs(logits, params, seeds, offsets)
         if logits.dtype != torch.float32:
             logits = logits.float()
-        tokens = self._argmax(logits)  # [N] int64; greedy rows keep it
         sampled_rows = [i for i, p in enumerate(params) if not _is_greedy(p)]
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        # all greedy, no logprobs (on CUDA): the argmax writes the tokens to the host itself
+        slot, host = self._ring.take(len(params)) if logits.is_cuda and not sampled_rows and not lp_rows else (0, None)
+        tokens = self._argmax(logits, host)  # [N] int64; greedy rows keep it
         if sampled_rows:
             idx = host_values(sampled_rows, torch.int64, logits.device)
             tokens[idx] = self._sample(logits, sampled_rows, params, seeds, offsets)
-        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         lp = None
         if lp_rows:
             sampled_lp, top_lp, top_ids = _raw_logprobs(logits, lp_rows, params, tokens)
             lp = LogprobParts(lp_rows, [params[i].logprobs or 0 for i in lp_rows], sampled_lp, top_lp, top_ids)
-        return DeviceSample(tokens, lp)
+        sample = DeviceSample(tokens, lp, host_tokens=host)
+        if host is not None:
+            self._ring.bind(slot, sample)
+        return sample
 
     def _sample(
         self,

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from pd_ssm.kernels._device import on_device
 from pd_ssm.kernels._grid import cdiv
-from pd_ssm.kernels.argmax import check_logits
+from pd_ssm.kernels.argmax import check_host_out, check_logits
 from pd_ssm.kernels.launch import FastKernel
 
 BLOCK = 512
@@ -52,11 +52,11 @@ def _first_max(best, best_i, none):
 @triton.jit
 def _argmax_kernel(
     # pointers
-    x_ptr, out_ptr, part_val_ptr, part_idx_ptr, ticket_ptr,
+    x_ptr, out_ptr, host_ptr, part_val_ptr, part_idx_ptr, ticket_ptr,
     # dimensions, strides
     V, stride_x,
     # meta-parameters
-    SPLIT: tl.constexpr, BLOCK: tl.constexpr, PART_BLOCKS: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK: tl.constexpr, PART_BLOCKS: tl.constexpr, HOST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
@@ -80,6 +80,8 @@ def _argmax_kernel(
         idxs = tl.load(part_idx_ptr + parts, cache_modifier=".cg")
         _, first = _first_max(vals, idxs, V)
         tl.store(out_ptr + row, first.to(tl.int64))
+        if HOST:  # pinned host memory, mapped: written over the bus, no copy launch behind the kernel
+            tl.store(host_ptr + row, first.to(tl.int64))
         tl.store(ticket_ptr + row, 0)
 
 
@@ -103,8 +105,10 @@ def split_for(rows: int, vocab: int, block: int = BLOCK) -> int:
     return 1 << (split.bit_length() - 1)
 
 
-def launch_argmax(logits: Tensor, ws: ArgmaxWorkspace, split: int, block: int = BLOCK, warps: int = 4) -> Tensor:
-    """The argmax of logits [N, V] (N <= ws.rows) over `split` programs a row -> [N] int64."""
+def launch_argmax(logits: Tensor, ws: ArgmaxWorkspace, split: int, block: int = BLOCK, warps: int = 4,
+                  host_out: Tensor | None = None) -> Tensor:
+    """The argmax of logits [N, V] (N <= ws.rows) over `split` programs a row -> [N] int64; also into
+    host_out (argmax.check_host_out) where given."""
     n, v = logits.shape
     if n > ws.rows or not 1 <= split <= MAX_SPLIT or split & (split - 1):
         raise ValueError(f"greedy_argmax: {n} rows, split {split}: the workspace holds {ws.rows} rows and "
@@ -113,22 +117,26 @@ def launch_argmax(logits: Tensor, ws: ArgmaxWorkspace, split: int, block: int = 
     if n == 0:
         return out
     with on_device(logits):
-        _ARGMAX[(n, split)](logits, out, ws.part_val, ws.part_idx, ws.tickets, v, logits.stride(0),
-                            SPLIT=split, BLOCK=block, PART_BLOCKS=cdiv(cdiv(v, split), block), num_warps=warps)
+        _ARGMAX[(n, split)](logits, out, out if host_out is None else host_out, ws.part_val, ws.part_idx, ws.tickets,
+                            v, logits.stride(0), SPLIT=split, BLOCK=block, PART_BLOCKS=cdiv(cdiv(v, split), block),
+                            HOST=host_out is not None, num_warps=warps)
     return out
 
 
 class GreedyArgmax:
-    """Triton `greedy_argmax_ref` (logits [N, V] fp32/bf16/fp16, stride 1 over V -> [N] int64), with
-    the workspace its programs share, one per device, grown with the rows."""
+    """Triton `greedy_argmax_ref` (logits [N, V] fp32/bf16/fp16, stride 1 over V -> [N] int64; host_out
+    there), with the workspace its programs share, one per device, grown with the rows."""
+
+    __name__ = "greedy_argmax_triton"  # NOTE: what dispatch's Triton kernels are called, as the functions are
 
     def __init__(self) -> None:
         self._workspaces: dict[torch.device, ArgmaxWorkspace] = {}
 
-    def __call__(self, logits: Tensor) -> Tensor:
+    def __call__(self, logits: Tensor, host_out: Tensor | None = None) -> Tensor:
         check_logits(logits)
+        check_host_out(logits, host_out)
         n, v = logits.shape
         ws = self._workspaces.get(logits.device)
         if ws is None or ws.rows < n:
             ws = self._workspaces[logits.device] = ArgmaxWorkspace(max(n, 256), logits.device)
-        return launch_argmax(logits, ws, split_for(n, v))
+        return launch_argmax(logits, ws, split_for(n, v), host_out=host_out)

@@ -70,7 +70,7 @@ class Kernels:
     varlen_prefill_attention: Callable[..., Tensor]
     paged_decode_attention: Callable[..., Tensor]
     linear: Callable[..., Tensor]
-    greedy_argmax: Callable[[Tensor], Tensor]
+    greedy_argmax: Callable[..., Tensor]
 
 
 KERNEL_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Kernels) if f.name != "backend")

@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
+from pd_ssm.engine.device_sample import DeviceSample, HostTokenRing
 from pd_ssm.engine.sampler import GREEDY_EPS, Sampler, SamplerOutput, counter_seed, make_seed
+from pd_ssm.kernels.argmax_triton import GreedyArgmax
 from pd_ssm.sampling_params import SamplingParams
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
@@ -324,3 +326,32 @@ def test_logprob_ties_are_ordered_by_token_id():
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, 2.0]])
     out = _run(logits, [SamplingParams(temperature=0.0, logprobs=4)])
     assert list(out.logprobs[0]) == [1, 2, 4, 5]
+
+
+def test_host_token_ring_reads_a_sample_before_reusing_its_buffer():
+    """A buffer comes back only after its sample's values were kept (read late, still its own)."""
+    ring = HostTokenRing(pin=False)
+    samples = []
+    for step in range(HostTokenRing.SLOTS + 2):
+        slot, buf = ring.take(3)
+        buf.copy_(torch.tensor([step, step + 1, step + 2]))  # what the argmax kernel writes
+        sample = DeviceSample(buf.clone(), None, host_tokens=buf)
+        ring.bind(slot, sample)
+        samples.append(sample)
+    # the first two buffers were handed out again: their samples had been read before that
+    for step, sample in enumerate(samples):
+        assert sample.host().token_ids == [step, step + 1, step + 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_greedy_tokens_written_to_host_by_the_argmax():
+    """All-greedy CUDA steps through the Triton argmax: tokens reach the host without a copy, also
+    when read several steps late (the ring keeps them), and equal torch.argmax."""
+    sampler = Sampler(argmax=GreedyArgmax())
+    steps = [_logits(n, 50_280, seed=70 + n, device="cuda") for n in (1, 5, 32, 32, 7, 128, 2)]
+    params = [[SamplingParams(temperature=0.0)] * s.shape[0] for s in steps]
+    pending = [sampler.sample(s, p, [0] * len(p), [0] * len(p)).start_copy() for s, p in zip(steps, params, strict=True)]
+    for s, d in zip(steps, pending, strict=True):
+        assert d.host().token_ids == s.argmax(-1).tolist()
+        assert torch.equal(d.tokens, s.argmax(-1))

@@ -61,6 +61,20 @@ def test_every_split_and_tickets_reset(n: int, v: int, split: int) -> None:
         assert not ws.tickets.any()
 
 
+@pytest.mark.parametrize("n,v", SHAPES)
+def test_host_out_gets_the_tokens(n: int, v: int) -> None:
+    """The tokens written to the host by the kernel itself (pinned memory where logits are on CUDA)."""
+    x = planted(n, v, seed=n + 2 * v)
+    host = torch.full((n,), -1, dtype=torch.int64, pin_memory=CUDA)
+    got = GreedyArgmax()(x, host)
+    if CUDA:
+        torch.cuda.synchronize()
+    assert torch.equal(host, x.argmax(dim=-1).cpu())
+    assert torch.equal(got, x.argmax(dim=-1))
+    with pytest.raises(ValueError, match="host_out"):
+        GreedyArgmax()(x, torch.empty(n + 1, dtype=torch.int64))
+
+
 def test_split_for() -> None:
     assert [split_for(n, 50280) for n in (1, 8, 16, 32, 64, 128, 256)] == [64, 64, 32, 16, 8, 8, 8]
     assert split_for(1, 300) == 1 and split_for(1, 1100) == 2  # at most one program a block
