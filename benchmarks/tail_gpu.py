@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks.linear_gpu import graph_time_us
 from pd_ssm.kernels.argmax_triton import ArgmaxWorkspace, GreedyArgmax, launch_argmax
 
 VOCAB, HID = 50280, 2560
@@ -33,21 +34,7 @@ CALLS = 20
 
 def graph_us(fn: Callable[[], object], calls: int = CALLS) -> float:
     """Median µs a call of `calls` back-to-back calls of fn in one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(15):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+    return graph_time_us(lambda _x, _w: fn(), None, [None] * calls)
 
 
 def planted(n: int, dev: torch.device) -> torch.Tensor:
