@@ -65,7 +65,7 @@ def profile_replay(layers: DecodeLayers, run: Callable[[Any, int], torch.Tensor]
     (graph_timeline_gpu.attribute: PDL overlap counted once), the first six printed."""
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.graph_timeline_gpu import attribute, kernels_of
+    from benchmarks.graph_timeline_gpu import attribute, kernels_of, trace_events
 
     layers.restore()
     g = torch.cuda.CUDAGraph()
@@ -77,7 +77,7 @@ def profile_replay(layers: DecodeLayers, run: Callable[[Any, int], torch.Tensor]
         for _ in range(2):
             g.replay()
         torch.cuda.synchronize()
-    rows = attribute(kernels_of(prof), 2 * layers.L)
+    rows = attribute(kernels_of(trace_events(prof)), 2 * layers.L)
     for r in rows[:6]:
         print(f"    x{r['launches']:5.2f} own {r['own_us']:6.2f} attributed {r['attributed_us']:6.2f} idle "
               f"{r['idle_before_us']:5.2f}  {r['kernel']}", flush=True)

@@ -119,20 +119,47 @@ def _in_proj_conv_kernel(
 ):
     """One row. PENDING: x is a PendingNorm's (ss_ptr its n_ss partial squares): the GEMV's sums are
     multiplied by the norm's scale (pending_norm.py)."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] in_proj column
-    n_ok = offs_n < N
-    act = y_ptr.dtype.element_ty
+    n0 = tl.program_id(0) * BLOCK_N  # the tile's first in_proj column
     # before the GEMV's PDL gate: the slot, the conv weights and the history taps
     slot = tl.load(slot_ptr)
+    pre = in_proj_tile_pre(w_ptr, state_ptr, slot, cw_ptr, cb_ptr, n0, N, K, conv_start, conv_dim, stride_wn,
+                           stride_cw_d, stride_cw_k, y_ptr.dtype.element_ty, HAS_CONV_BIAS, WIDTH, BLOCK_N, PRE_K)
+    pdl_gate(PDL)
+    ss = tl.zeros([SS_BLOCK], dtype=tl.float32)
+    if PENDING:
+        offs_s = tl.arange(0, SS_BLOCK)
+        ss = tl.load(ss_ptr + offs_s, mask=offs_s < n_ss, other=0.0)  # issued now, summed after the stream
+    in_proj_tile_post(pre, x_ptr, b_ptr, y_ptr, state_ptr, slot, xbc_ptr, ss, n0, N, K, conv_start, conv_dim,
+                      eps, HAS_BIAS, HAS_CONV_BIAS, WIDTH, FAST_EXP, BLOCK_N, BLOCK_K, NUM_STAGES, PRE_K, PENDING)
+
+
+@triton.jit
+def in_proj_tile_pre(w_ptr, state_ptr, slot, cw_ptr, cb_ptr, n0, N, K: tl.constexpr, conv_start, conv_dim,
+                     stride_wn, stride_cw_d, stride_cw_k, act: tl.constexpr, HAS_CONV_BIAS: tl.constexpr,
+                     WIDTH: tl.constexpr, BLOCK_N: tl.constexpr, PRE_K: tl.constexpr):
+    """One row's in_proj columns [n0, n0 + BLOCK_N): the loads no launch of this step writes (conv_pre's,
+    and the first PRE_K weight columns, fma_gemv_pre's). Returns what in_proj_tile_post takes."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] in_proj column
+    n_ok = offs_n < N
     row, st_ok, c_ok, w_last, conv, conv_b, taps = conv_pre(state_ptr, slot, cw_ptr, cb_ptr, offs_n - conv_start,
                                                             n_ok, conv_dim, stride_cw_d, stride_cw_k, act, WIDTH,
                                                             HAS_CONV_BIAS)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     w_pre = fma_gemv_pre(w_rows, n_ok, K, PRE_K)
-    pdl_gate(PDL)
-    if PENDING:
-        offs_s = tl.arange(0, SS_BLOCK)
-        ss = tl.load(ss_ptr + offs_s, mask=offs_s < n_ss, other=0.0)  # issued now, summed after the stream
+    return row, st_ok, c_ok, w_last, conv, conv_b, taps, w_rows, w_pre
+
+
+@triton.jit
+def in_proj_tile_post(pre, x_ptr, b_ptr, y_ptr, state_ptr, slot, xbc_ptr, ss, n0, N, K: tl.constexpr, conv_start,
+                      conv_dim, eps, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, WIDTH: tl.constexpr,
+                      FAST_EXP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      NUM_STAGES: tl.constexpr, PRE_K: tl.constexpr, PENDING: tl.constexpr):
+    """After the gate: the GEMV of the columns [n0, n0 + BLOCK_N) over x (times the pending norm's scale
+    from its partial squares ss where PENDING), the bias, the store, and the conv of its xBC columns."""
+    row, st_ok, c_ok, w_last, conv, conv_b, taps, w_rows, w_pre = pre
+    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] in_proj column
+    n_ok = offs_n < N
+    act = y_ptr.dtype.element_ty
     y = fma_gemv_main(x_ptr, w_pre, w_rows, n_ok, K, BLOCK_N, BLOCK_K, NUM_STAGES, PRE_K)
     if PENDING:
         y *= 1.0 / tl.sqrt_rn(tl.sum(ss, axis=0) / K + eps)
@@ -140,7 +167,6 @@ def _in_proj_conv_kernel(
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     xv = y.to(act)  # in_proj's output as it is stored: the conv's new input
     tl.store(y_ptr + offs_n, xv, mask=n_ok)
-    n0 = tl.program_id(0) * BLOCK_N
     if (n0 < conv_start + conv_dim) & (n0 + BLOCK_N > conv_start):  # NOTE: z and dt tiles skip the barrier
         conv_post(xv, row, st_ok, c_ok, slot >= 0, w_last, conv, conv_b, taps, xbc_ptr + (offs_n - conv_start),
                   state_ptr, WIDTH, HAS_CONV_BIAS, FAST_EXP)

@@ -63,21 +63,42 @@ def _out_proj_add_kernel(
     PDL: tl.constexpr, PRE_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output column
-    n_ok = offs_n < N
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     # before the PDL gate: the residual (written three launches back, by the block boundary before
     # this one), the next norm's weight and the first weight columns
-    res = tl.load(res_ptr + offs_n, mask=n_ok, other=0.0)
-    nw = tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0)
-    w_pre = fma_gemv_pre(w_rows, n_ok, K, PRE_K)
+    pre = out_proj_tile_pre(w_ptr, res_ptr, nw_ptr, pid * BLOCK_N, N, K, stride_wn, BLOCK_N, PRE_K)
     pdl_gate(PDL)
     offs_q = tl.arange(0, SQ_BLOCK)
     sq = tl.load(sq_ptr + offs_q, mask=offs_q < n_sq, other=0.0)  # issued now, summed after the stream
+    out_proj_tile_post(pre, g_ptr, sq, res_out_ptr, x_out_ptr, ss_ptr + pid, pid * BLOCK_N, N, K, width, eps,
+                       BLOCK_N, BLOCK_K, NUM_STAGES, PRE_K)
+
+
+@triton.jit
+def out_proj_tile_pre(w_ptr, res_ptr, nw_ptr, n0, N, K: tl.constexpr, stride_wn, BLOCK_N: tl.constexpr,
+                      PRE_K: tl.constexpr):
+    """One row's out_proj columns [n0, n0 + BLOCK_N): the residual, the next norm's weight and the first
+    PRE_K weight columns (fma_gemv_pre). Returns what out_proj_tile_post takes."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] output column
+    n_ok = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    res = tl.load(res_ptr + offs_n, mask=n_ok, other=0.0)
+    nw = tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0)
+    w_pre = fma_gemv_pre(w_rows, n_ok, K, PRE_K)
+    return w_rows, w_pre, res, nw
+
+
+@triton.jit
+def out_proj_tile_post(pre, g_ptr, sq, res_out_ptr, x_out_ptr, ss_out, n0, N, K: tl.constexpr, width, eps,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PRE_K: tl.constexpr):
+    """The GEMV of the columns over g, its row scale from the gated norm's squares sq, and the epilogue
+    (_add_and_leave_pending; the columns' share of the next norm's squares into *ss_out)."""
+    w_rows, w_pre, res, nw = pre
+    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] output column
+    n_ok = offs_n < N
     y = fma_gemv_main(g_ptr, w_pre, w_rows, n_ok, K, BLOCK_N, BLOCK_K, NUM_STAGES, PRE_K)
     out = y.to(g_ptr.dtype.element_ty).to(tl.float32)  # out_proj's output as the GEMV stores it
     r = 1.0 / tl.sqrt_rn(tl.sum(sq, axis=0) / width + eps)
-    _add_and_leave_pending(out, r, res, nw, res_out_ptr + offs_n, x_out_ptr + offs_n, ss_ptr + pid, n_ok)
+    _add_and_leave_pending(out, r, res, nw, res_out_ptr + offs_n, x_out_ptr + offs_n, ss_out, n_ok)
 
 
 @triton.jit
