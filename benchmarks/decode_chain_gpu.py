@@ -32,7 +32,6 @@ import torch
 
 import pd_ssm.kernels.in_proj_conv_triton as in_proj_conv_mod
 import pd_ssm.kernels.mixer_decode_triton as mixer_decode_mod
-import pd_ssm.kernels.mixer_step_triton as mixer_step_mod
 import pd_ssm.kernels.out_proj_add_triton as out_proj_add_mod
 from benchmarks.decode_layers import (
     D_INNER,
@@ -49,12 +48,6 @@ from benchmarks.decode_layers import (
 )
 from pd_ssm.kernels.in_proj_conv_triton import in_proj_conv_triton
 from pd_ssm.kernels.mixer_decode_triton import default_config, launch_decode_step
-from pd_ssm.kernels.mixer_step_triton import (
-    MixerStepLayer,
-    MixerStepTiles,
-    MixerStepWorkspace,
-    mixer_stack_step_triton,
-)
 from pd_ssm.kernels.out_proj_add_triton import out_proj_add_triton
 from pd_ssm.kernels.pending_norm import PendingNorm
 from pd_ssm.kernels.rmsnorm import RowRms
@@ -72,13 +65,11 @@ class Variant(NamedTuple):
     out_tile: LinearTile = FMA_TILE_NARROW
     ssu: SSUConfig | None = None  # None: mixer_decode_triton.default_config
     plain: tuple[str, ...] = ()  # of PLAIN_MODULES: those kernels launched without the PDL attribute
-    step: MixerStepTiles | None = None  # layers after the first in one launch (mixer_step_triton.py)
 
 
 # NOTE: a kernel compiled with its gate but launched without the PDL attribute starts after its
 # predecessor completes (the gate returns at once) and still releases its dependents early
-PLAIN_MODULES = {"in_proj": in_proj_conv_mod, "ssu": mixer_decode_mod, "out_proj": out_proj_add_mod,
-                 "step": mixer_step_mod}
+PLAIN_MODULES = {"in_proj": in_proj_conv_mod, "ssu": mixer_decode_mod, "out_proj": out_proj_add_mod}
 
 
 @contextlib.contextmanager
@@ -103,7 +94,6 @@ class Chain(DecodeLayers):
         self.delta = self.rand(1, HID)
         self.sq = torch.rand(1, 4 * H, device=dev) * D_INNER / (4 * H)
         self.cfg = default_config(1, P, N, torch.float32)
-        self.step_ws = MixerStepWorkspace(dev)
 
     def run(self, v: Variant, _: int = 0) -> torch.Tensor:
         with plain_launches(v.plain):
@@ -117,15 +107,6 @@ class Chain(DecodeLayers):
         hidden: torch.Tensor | PendingNorm = normed
         delta = self.delta
         for i in range(L):
-            if i and v.step is not None:
-                assert isinstance(hidden, PendingNorm)
-                layers = [MixerStepLayer(self.w_in[j], None, self.conv[j], self.cw, self.cb, self.ssm[j], self.A,
-                                         self.D, self.dt_bias, self.gate_w, self.w_out[j], self.norm_w[(j + 1) % L])
-                          for j in range(1, L)]
-                residual, hidden = mixer_stack_step_triton(
-                    hidden, residual, layers, state_indices=self.slots, ngroups=G, gated_eps=EPS, norm_eps=EPS,
-                    residual_dtype=torch.float32, workspace=self.step_ws, tiles=v.step)
-                break
             if i and not v.pending:
                 hidden, residual = add_rms_norm_triton(delta, residual, self.norm_w[i], EPS,
                                                        residual_dtype=torch.float32, x_rms=x_rms)
@@ -160,39 +141,21 @@ def variants() -> list[Variant]:
         tag = f"in_proj {t.block_n}x{t.block_k} s{t.num_stages}"
         out.append(Variant(f"pending norm, {tag}", True, in_tile=t))
         out.append(Variant(f"pending norm, {tag}, plain in_proj", True, in_tile=t, plain=("in_proj",)))
-    for name, st in (("", MixerStepTiles()), (", out 4 rows", MixerStepTiles(out_tile=FMA_TILE_NARROW)),
-                     (", out pre 1024", MixerStepTiles(out_tile=LinearTile(8, 512, 4, 4, prefetch_k=1024))),
-                     (", out pre 0", MixerStepTiles(out_tile=LinearTile(8, 512, 4, 4))),
-                     (", 2 a SM", MixerStepTiles(programs_per_sm=2)), (", 3 a SM", MixerStepTiles(programs_per_sm=3)),
-                     (", block_p 8", MixerStepTiles(block_p=8))):
-        out.append(Variant(f"mixer step{name}", True, step=st))
-        out.append(Variant(f"mixer step{name}, no PDL", True, step=st, plain=("step",)))
+    # LinearTile.cols: programs owning fewer columns than their tile, the grid a whole number a SM
+    for t in (FMA_TILE._replace(cols=27), FMA_TILE._replace(cols=21), LinearTile(64, 256, 4, 3, cols=41)):
+        out.append(Variant(f"pending norm, in_proj {t.block_n}x{t.block_k} cols {t.cols}", True, in_tile=t))
+    for t in (LinearTile(8, 512, 4, 4, prefetch_k=2048, cols=5), LinearTile(8, 512, 4, 4, prefetch_k=2048, cols=7),
+              LinearTile(4, 512, 4, 4, prefetch_k=2048, cols=3), LinearTile(16, 512, 4, 4, prefetch_k=1024, cols=10)):
+        out.append(Variant(f"pending norm, out_proj {t.block_n}x{t.block_k} pre {t.prefetch_k} cols {t.cols}", True,
+                           out_tile=t))
+    out.append(Variant("pending norm, in_proj cols 27, out_proj 8 cols 5", True, in_tile=FMA_TILE._replace(cols=27),
+                       out_tile=LinearTile(8, 512, 4, 4, prefetch_k=2048, cols=5)))
     out += [Variant("norm launch (again)", False), Variant("pending norm (again)", True)]
     only = os.environ.get("CHAIN_VARIANTS")  # a ";"-separated subset of the names, for A/B calls
     return out if not only else [v for v in out if v.name in only.split(";")]
 
 
 PROFILED = ("norm launch", "pending norm")
-
-
-def step_timeline(chain: Chain) -> None:
-    """The one-launch block step's phases in the replayed chain (MixerStepTiles.timeline): per point,
-    µs after the layer's first program passed its gate, min / median / max over the programs, for a
-    few layers; and the gap from the layer before's last program out."""
-    v = Variant("mixer step, timeline", True, step=MixerStepTiles(timeline=True))
-    chain.step_ws.grids.clear()
-    chain.step_ws.stamps.clear()
-    time_chain(chain, chain.run, v)
-    stamps = chain.step_ws.stamps[-1]  # [L - 1, G, 8]: the captured call, as the last replay left it
-    grid = sorted(set(chain.step_ws.grids.values()))[0]
-    names = ["start", "block", "in_proj", "sync 1", "ssu", "sync 2", "out_proj"]
-    for layer in (16, 32, 48):
-        st = stamps[layer - 1, :grid, :7].double() / 1e3  # [G, 7] µs
-        t0 = st[:, 1].min()
-        prev_end = stamps[layer - 2, :grid, 6].double().max() / 1e3 - t0
-        row = "  ".join(f"{n} {(st[:, i] - t0).min():6.2f}/{(st[:, i] - t0).median():6.2f}/{(st[:, i] - t0).max():6.2f}"
-                        for i, n in enumerate(names))
-        print(f"layer {layer}: previous out {prev_end:6.2f}  {row}", flush=True)
 
 
 def main() -> None:
@@ -205,11 +168,8 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     first: torch.Tensor | None = None
     done: set[str] = set()  # variants profiled (once)
-    if os.environ.get("CHAIN_TIMELINE") == "1":
-        step_timeline(chain)
     rounds = int(os.environ.get("CHAIN_ROUNDS", "1"))  # the variant list run this many times, interleaved
     for v in variants() * rounds:
-        chain.step_ws.grids.clear()
         try:
             got, us = time_chain(chain, chain.run, v)
         except Exception as e:  # noqa: BLE001 -- a variant that fails to compile or capture is reported
@@ -220,8 +180,7 @@ def main() -> None:
         rel = float((got - first).norm() / first.norm())
         row = {"variant": v.name, "us_per_layer": us, "gbps": moved / us / 1e3, "rel_diff_to_first": rel}
         results.append(row)
-        grids = f"  grid {sorted(set(chain.step_ws.grids.values()))}" if v.step is not None else ""
-        print(f"{v.name:52} {us:7.2f} us/layer  {row['gbps']:6.0f} GB/s  residual rel diff {rel:.2e}{grids}", flush=True)
+        print(f"{v.name:52} {us:7.2f} us/layer  {row['gbps']:6.0f} GB/s  residual rel diff {rel:.2e}", flush=True)
         if v.name in PROFILED and v.name not in done:
             done.add(v.name)
             row["kernels"] = profile_replay(chain, chain.run, v)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pd_ssm.kernels._device import on_device
+from pd_ssm.kernels._device import num_sms, on_device
 from pd_ssm.kernels._grid import cdiv, pow2
 from pd_ssm.kernels.conv1d import _check_conv_args
 from pd_ssm.kernels.conv1d_triton_update import causal_conv1d_update_triton
@@ -41,12 +41,14 @@ from pd_ssm.kernels.skinny_linear_triton import (
     DOT_TILE,
     FMA_MAX_ROWS,
     LinearTile,
+    balanced,
     fma_gemv_main,
     fma_gemv_pre,
     fma_tile,
     gemv_serves,
     linear_triton,
     skinny_linear_triton,
+    tile_cols,
 )
 
 
@@ -115,51 +117,25 @@ def _in_proj_conv_kernel(
     # meta-parameters
     HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, WIDTH: tl.constexpr, FAST_EXP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
-    PRE_K: tl.constexpr, PENDING: tl.constexpr, SS_BLOCK: tl.constexpr,
+    PRE_K: tl.constexpr, PENDING: tl.constexpr, SS_BLOCK: tl.constexpr, COLS: tl.constexpr,
 ):
     """One row. PENDING: x is a PendingNorm's (ss_ptr its n_ss partial squares): the GEMV's sums are
-    multiplied by the norm's scale (pending_norm.py)."""
-    n0 = tl.program_id(0) * BLOCK_N  # the tile's first in_proj column
+    multiplied by the norm's scale (pending_norm.py). A program owns COLS <= BLOCK_N columns."""
+    n0 = tl.program_id(0) * COLS
+    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] in_proj column
+    n_ok = (offs_n < N) & (tl.arange(0, BLOCK_N) < COLS)
+    act = y_ptr.dtype.element_ty
     # before the GEMV's PDL gate: the slot, the conv weights and the history taps
     slot = tl.load(slot_ptr)
-    pre = in_proj_tile_pre(w_ptr, state_ptr, slot, cw_ptr, cb_ptr, n0, N, K, conv_start, conv_dim, stride_wn,
-                           stride_cw_d, stride_cw_k, y_ptr.dtype.element_ty, HAS_CONV_BIAS, WIDTH, BLOCK_N, PRE_K)
-    pdl_gate(PDL)
-    ss = tl.zeros([SS_BLOCK], dtype=tl.float32)
-    if PENDING:
-        offs_s = tl.arange(0, SS_BLOCK)
-        ss = tl.load(ss_ptr + offs_s, mask=offs_s < n_ss, other=0.0)  # issued now, summed after the stream
-    in_proj_tile_post(pre, x_ptr, b_ptr, y_ptr, state_ptr, slot, xbc_ptr, ss, n0, N, K, conv_start, conv_dim,
-                      eps, HAS_BIAS, HAS_CONV_BIAS, WIDTH, FAST_EXP, BLOCK_N, BLOCK_K, NUM_STAGES, PRE_K, PENDING)
-
-
-@triton.jit
-def in_proj_tile_pre(w_ptr, state_ptr, slot, cw_ptr, cb_ptr, n0, N, K: tl.constexpr, conv_start, conv_dim,
-                     stride_wn, stride_cw_d, stride_cw_k, act: tl.constexpr, HAS_CONV_BIAS: tl.constexpr,
-                     WIDTH: tl.constexpr, BLOCK_N: tl.constexpr, PRE_K: tl.constexpr):
-    """One row's in_proj columns [n0, n0 + BLOCK_N): the loads no launch of this step writes (conv_pre's,
-    and the first PRE_K weight columns, fma_gemv_pre's). Returns what in_proj_tile_post takes."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] in_proj column
-    n_ok = offs_n < N
     row, st_ok, c_ok, w_last, conv, conv_b, taps = conv_pre(state_ptr, slot, cw_ptr, cb_ptr, offs_n - conv_start,
                                                             n_ok, conv_dim, stride_cw_d, stride_cw_k, act, WIDTH,
                                                             HAS_CONV_BIAS)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     w_pre = fma_gemv_pre(w_rows, n_ok, K, PRE_K)
-    return row, st_ok, c_ok, w_last, conv, conv_b, taps, w_rows, w_pre
-
-
-@triton.jit
-def in_proj_tile_post(pre, x_ptr, b_ptr, y_ptr, state_ptr, slot, xbc_ptr, ss, n0, N, K: tl.constexpr, conv_start,
-                      conv_dim, eps, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, WIDTH: tl.constexpr,
-                      FAST_EXP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      NUM_STAGES: tl.constexpr, PRE_K: tl.constexpr, PENDING: tl.constexpr):
-    """After the gate: the GEMV of the columns [n0, n0 + BLOCK_N) over x (times the pending norm's scale
-    from its partial squares ss where PENDING), the bias, the store, and the conv of its xBC columns."""
-    row, st_ok, c_ok, w_last, conv, conv_b, taps, w_rows, w_pre = pre
-    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] in_proj column
-    n_ok = offs_n < N
-    act = y_ptr.dtype.element_ty
+    pdl_gate(PDL)
+    if PENDING:
+        offs_s = tl.arange(0, SS_BLOCK)
+        ss = tl.load(ss_ptr + offs_s, mask=offs_s < n_ss, other=0.0)  # issued now, summed after the stream
     y = fma_gemv_main(x_ptr, w_pre, w_rows, n_ok, K, BLOCK_N, BLOCK_K, NUM_STAGES, PRE_K)
     if PENDING:
         y *= 1.0 / tl.sqrt_rn(tl.sum(ss, axis=0) / K + eps)
@@ -167,7 +143,7 @@ def in_proj_tile_post(pre, x_ptr, b_ptr, y_ptr, state_ptr, slot, xbc_ptr, ss, n0
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     xv = y.to(act)  # in_proj's output as it is stored: the conv's new input
     tl.store(y_ptr + offs_n, xv, mask=n_ok)
-    if (n0 < conv_start + conv_dim) & (n0 + BLOCK_N > conv_start):  # NOTE: z and dt tiles skip the barrier
+    if (n0 < conv_start + conv_dim) & (n0 + COLS > conv_start):  # NOTE: z and dt tiles skip the barrier
         conv_post(xv, row, st_ok, c_ok, slot >= 0, w_last, conv, conv_b, taps, xbc_ptr + (offs_n - conv_start),
                   state_ptr, WIDTH, HAS_CONV_BIAS, FAST_EXP)
 
@@ -277,8 +253,8 @@ def in_proj_conv_triton(
 ) -> tuple[Tensor, Tensor]:
     """Triton `in_proj_conv_ref` (shapes there). `fused`: None picks one launch where it serves
     (`fusable`), True forces it (tests, in Triton's interpreter too), False the two launches.
-    `tile`, for sweeps: the one-row GEMV's (default skinny_linear_triton.fma_tile's), or the DOT
-    path's for a pending norm of more rows (default skinny_linear_triton.DOT_TILE)."""
+    `tile`, for sweeps: the one-row GEMV's (default skinny_linear_triton.fma_tile's, `balanced` over
+    the SMs), or the DOT path's for a pending norm of more rows (default skinny_linear_triton.DOT_TILE)."""
     pending = hidden if isinstance(hidden, PendingNorm) else None
     if pending is not None:
         check_pending_norm("in_proj_conv", pending)
@@ -313,12 +289,13 @@ def in_proj_conv_triton(
                 FAST_EXP=x.is_cuda, PDL=pdl, SS_BLOCK=pow2(n_ss))
     with on_device(x):
         if B == 1:
-            t = tile or fma_tile(N)
-            _IN_PROJ_CONV[(cdiv(N, t.block_n),)](
+            t = tile or balanced(fma_tile(N), N, num_sms(x.device))
+            cols = tile_cols(t)
+            _IN_PROJ_CONV[(cdiv(N, cols),)](
                 x, weight, bias, proj, conv_state, state_indices.contiguous(), conv_weight, conv_bias, xbc, ss,
                 N, K, conv_start, conv_dim, n_ss, eps, weight.stride(0), conv_weight.stride(0), conv_weight.stride(1),
                 BLOCK_N=t.block_n, BLOCK_K=t.block_k, NUM_STAGES=t.num_stages, PRE_K=t.prefetch_k,
-                PENDING=pending is not None, num_warps=t.num_warps, **conv, **launch_options(pdl),
+                PENDING=pending is not None, COLS=cols, num_warps=t.num_warps, **conv, **launch_options(pdl),
             )
         else:
             assert ss is not None  # checked above: more rows come as a pending norm

@@ -36,52 +36,6 @@ from pd_ssm.kernels.ssu_triton import default_config as ssu_config
 
 
 @triton.jit
-def gated_ssu_pre(state_ptr, A_ptr, D_ptr, dt_bias_ptr, norm_w_ptr, slot, h, c_x, p_ok, offs_p, dstate,
-                  stride_state_slot, stride_state_head, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
-    """The loads of a [BLOCK_P, dstate] tile of head h (headdim rows offs_p, channels c_x in z, x and g)
-    that no launch of this step writes: the state of `slot` (written by this layer's previous step),
-    the norm weight and the head's constants. Returns (state pointers, their mask, state fp32, norm
-    weight, A, dt bias, D; 0.0 for those the layer lacks)."""
-    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N] dstate column
-    n_ok = offs_n < dstate
-    live = slot >= 0  # a negative slot is CUDA-graph padding: touch no state
-    state_ptrs = (state_ptr + tl.maximum(slot, 0) * stride_state_slot + h * stride_state_head
-                  + offs_p[:, None] * dstate + offs_n[None, :])  # [BLOCK_P, BLOCK_N]
-    tile_ok = p_ok[:, None] & n_ok[None, :] & live
-    state = tl.load(state_ptrs, mask=tile_ok, other=0.0).to(tl.float32)
-    w = tl.load(norm_w_ptr + c_x, mask=p_ok, other=0.0).to(tl.float32)
-    A = tl.load(A_ptr + h)
-    dt_b = tl.load(dt_bias_ptr + h).to(tl.float32) if HAS_DT_BIAS else 0.0
-    Dh = tl.load(D_ptr + h).to(tl.float32) if HAS_D else 0.0
-    return state_ptrs, tile_ok, state, w, A, dt_b, Dh
-
-
-@triton.jit
-def gated_ssu_post(state_ptrs, tile_ok, state, w, A, dt_b, Dh, dt, zv, xv, Bv, Cv, live, g_ptrs, sq_out, p_ok,
-                   HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
-    """The tile's state update (in place), then g = weight * (y * silu(z)) and the tile's sum of
-    squares (zeros where not live), from gated_ssu_pre's loads and the step's dt, z, x, B, C (fp32)."""
-    if HAS_DT_BIAS:
-        dt += dt_b
-    dt = _softplus(dt)  # no clamp at decode (layers/mixer2.py)
-    dA = tl.exp(dt * A)
-    # (dt * B) first, then times x: the reference's order
-    state = state * dA + (dt * Bv)[None, :] * xv[:, None]  # [BLOCK_P, BLOCK_N] fp32
-    tl.store(state_ptrs, state.to(state_ptrs.dtype.element_ty), mask=tile_ok)
-    y = tl.sum(state * Cv[None, :], axis=1)  # [BLOCK_P]
-    if HAS_D:
-        y += xv * Dh
-
-    # the gate and the deferred norm: h = y (rounded as the state update returns it) * silu(z)
-    act = g_ptrs.dtype.element_ty
-    hv = y.to(act).to(tl.float32) * (zv / (1.0 + tl.exp(-zv)))  # [BLOCK_P] fp32, 0 where masked
-    hv = tl.where(live, hv, 0.0)
-    tl.store(g_ptrs, (w * hv.to(act).to(tl.float32)).to(act), mask=p_ok)
-    tl.store(sq_out, tl.sum(hv * hv, axis=0))
-
-
-@triton.jit
 def _gated_ssu_kernel(
     # pointers
     proj_ptr, xbc_ptr, state_ptr, A_ptr, D_ptr, dt_bias_ptr, norm_w_ptr, slot_ptr, g_ptr, sq_ptr,
@@ -107,24 +61,33 @@ def _gated_ssu_kernel(
     sq_out = sq_ptr + b * stride_sq_b + h * tl.num_programs(0) + pid_p
     slot = tl.load(slot_ptr + b).to(tl.int64)
     live = slot >= 0  # a negative slot is CUDA-graph padding: touch no state, write zeros
+    state_ptrs = (state_ptr + tl.maximum(slot, 0) * stride_state_slot + h * stride_state_head
+                  + offs_p[:, None] * dstate + offs_n[None, :])  # [BLOCK_P, BLOCK_N]
+    tile_ok = p_ok[:, None] & n_ok[None, :] & live
     # NOTE: issue the big load first and every small one right after, before any arithmetic: a
     # program streams only a few KB, so each load issued late adds its latency to the program's
     # life (the gate's z and weight loaded after y cost ~9 us a layer at batch 32, H200).
     # Before the PDL gate (pdl.py) everything but the conv's output xbc: the state was last written
     # by this layer's previous step, z and dt by in_proj, the launch before the conv's
-    state_ptrs, tile_ok, state, w, A, dt_b, Dh = gated_ssu_pre(state_ptr, A_ptr, D_ptr, dt_bias_ptr, norm_w_ptr, slot,
-                                                               h, c_x, p_ok, offs_p, dstate, stride_state_slot,
-                                                               stride_state_head, HAS_D, HAS_DT_BIAS, BLOCK_N)
+    state = tl.load(state_ptrs, mask=tile_ok, other=0.0).to(tl.float32)
     proj_row = proj_ptr + b * stride_proj_b
     xbc_row = xbc_ptr + b * stride_xbc_b
     c_B = (h // heads_per_group) * dstate + offs_n  # [BLOCK_N] channel of B in x | B | C, less d_inner
     if not ZDT_LATE:
         dt = tl.load(proj_row + d_inner + conv_dim + h).to(tl.float32)
         zv = tl.load(proj_row + c_x, mask=p_ok, other=0.0).to(tl.float32)
+    w = tl.load(norm_w_ptr + c_x, mask=p_ok, other=0.0).to(tl.float32)
+    A = tl.load(A_ptr + h)
+    if HAS_DT_BIAS:
+        dt_b = tl.load(dt_bias_ptr + h).to(tl.float32)
+    if HAS_D:
+        Dh = tl.load(D_ptr + h).to(tl.float32)
     pdl_gate(PDL)
     if ZDT_LATE:
         dt = tl.load(proj_row + d_inner + conv_dim + h).to(tl.float32)
         zv = tl.load(proj_row + c_x, mask=p_ok, other=0.0).to(tl.float32)
+    if HAS_DT_BIAS:
+        dt += dt_b
     if not live:
         tl.store(g_ptrs, tl.zeros([BLOCK_P], dtype=g_ptr.dtype.element_ty), mask=p_ok)
         tl.store(sq_out, 0.0)
@@ -132,8 +95,21 @@ def _gated_ssu_kernel(
     xv = tl.load(xbc_row + c_x, mask=p_ok, other=0.0).to(tl.float32)
     Bv = tl.load(xbc_row + d_inner + c_B, mask=n_ok, other=0.0).to(tl.float32)
     Cv = tl.load(xbc_row + d_inner + gn + c_B, mask=n_ok, other=0.0).to(tl.float32)
-    gated_ssu_post(state_ptrs, tile_ok, state, w, A, dt_b, Dh, dt, zv, xv, Bv, Cv, live, g_ptrs, sq_out, p_ok, HAS_D,
-                   HAS_DT_BIAS)
+
+    dt = _softplus(dt)  # no clamp at decode (layers/mixer2.py)
+    dA = tl.exp(dt * A)
+    # (dt * B) first, then times x: the reference's order
+    state = state * dA + (dt * Bv)[None, :] * xv[:, None]  # [BLOCK_P, BLOCK_N] fp32
+    tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok)
+    y = tl.sum(state * Cv[None, :], axis=1)  # [BLOCK_P]
+    if HAS_D:
+        y += xv * Dh
+
+    # the gate and the deferred norm: h = y (rounded as the state update returns it) * silu(z)
+    act = g_ptr.dtype.element_ty
+    hv = y.to(act).to(tl.float32) * (zv / (1.0 + tl.exp(-zv)))  # [BLOCK_P] fp32, 0 where masked
+    tl.store(g_ptrs, (w * hv.to(act).to(tl.float32)).to(act), mask=p_ok)
+    tl.store(sq_out, tl.sum(hv * hv, axis=0))
 
 
 def mamba2_decode_step_triton(

@@ -33,7 +33,14 @@ from pd_ssm.kernels.pending_norm import PendingNorm
 from pd_ssm.kernels.rmsnorm import RowRms
 from pd_ssm.kernels.rmsnorm_triton import _row_scale
 from pd_ssm.kernels.skinny_gemm_triton import launch_dot
-from pd_ssm.kernels.skinny_linear_triton import MAX_ROWS, LinearTile, fma_gemv_main, fma_gemv_pre, fma_tile
+from pd_ssm.kernels.skinny_linear_triton import (
+    MAX_ROWS,
+    LinearTile,
+    fma_gemv_main,
+    fma_gemv_pre,
+    fma_tile,
+    tile_cols,
+)
 
 
 @triton.jit
@@ -60,45 +67,25 @@ def _out_proj_add_kernel(
     stride_wn,
     # meta-parameters
     SQ_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PDL: tl.constexpr, PRE_K: tl.constexpr,
+    PDL: tl.constexpr, PRE_K: tl.constexpr, COLS: tl.constexpr,
 ):
+    """A program owns COLS <= BLOCK_N output columns."""
     pid = tl.program_id(0)
+    offs_n = pid * COLS + tl.arange(0, BLOCK_N)  # [BLOCK_N] output column
+    n_ok = (offs_n < N) & (tl.arange(0, BLOCK_N) < COLS)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     # before the PDL gate: the residual (written three launches back, by the block boundary before
     # this one), the next norm's weight and the first weight columns
-    pre = out_proj_tile_pre(w_ptr, res_ptr, nw_ptr, pid * BLOCK_N, N, K, stride_wn, BLOCK_N, PRE_K)
-    pdl_gate(PDL)
-    offs_q = tl.arange(0, SQ_BLOCK)
-    sq = tl.load(sq_ptr + offs_q, mask=offs_q < n_sq, other=0.0)  # issued now, summed after the stream
-    out_proj_tile_post(pre, g_ptr, sq, res_out_ptr, x_out_ptr, ss_ptr + pid, pid * BLOCK_N, N, K, width, eps,
-                       BLOCK_N, BLOCK_K, NUM_STAGES, PRE_K)
-
-
-@triton.jit
-def out_proj_tile_pre(w_ptr, res_ptr, nw_ptr, n0, N, K: tl.constexpr, stride_wn, BLOCK_N: tl.constexpr,
-                      PRE_K: tl.constexpr):
-    """One row's out_proj columns [n0, n0 + BLOCK_N): the residual, the next norm's weight and the first
-    PRE_K weight columns (fma_gemv_pre). Returns what out_proj_tile_post takes."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] output column
-    n_ok = offs_n < N
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     res = tl.load(res_ptr + offs_n, mask=n_ok, other=0.0)
     nw = tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0)
     w_pre = fma_gemv_pre(w_rows, n_ok, K, PRE_K)
-    return w_rows, w_pre, res, nw
-
-
-@triton.jit
-def out_proj_tile_post(pre, g_ptr, sq, res_out_ptr, x_out_ptr, ss_out, n0, N, K: tl.constexpr, width, eps,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PRE_K: tl.constexpr):
-    """The GEMV of the columns over g, its row scale from the gated norm's squares sq, and the epilogue
-    (_add_and_leave_pending; the columns' share of the next norm's squares into *ss_out)."""
-    w_rows, w_pre, res, nw = pre
-    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] output column
-    n_ok = offs_n < N
+    pdl_gate(PDL)
+    offs_q = tl.arange(0, SQ_BLOCK)
+    sq = tl.load(sq_ptr + offs_q, mask=offs_q < n_sq, other=0.0)  # issued now, summed after the stream
     y = fma_gemv_main(g_ptr, w_pre, w_rows, n_ok, K, BLOCK_N, BLOCK_K, NUM_STAGES, PRE_K)
     out = y.to(g_ptr.dtype.element_ty).to(tl.float32)  # out_proj's output as the GEMV stores it
     r = 1.0 / tl.sqrt_rn(tl.sum(sq, axis=0) / width + eps)
-    _add_and_leave_pending(out, r, res, nw, res_out_ptr + offs_n, x_out_ptr + offs_n, ss_out, n_ok)
+    _add_and_leave_pending(out, r, res, nw, res_out_ptr + offs_n, x_out_ptr + offs_n, ss_ptr + pid, n_ok)
 
 
 @triton.jit
@@ -194,14 +181,15 @@ def out_proj_add_triton(
             )
         return new, PendingNorm(x, ss, eps)
     t = tile or fma_tile(N)
-    grid = cdiv(N, t.block_n)
+    cols = tile_cols(t)
+    grid = cdiv(N, cols)
     ss = torch.empty((1, grid), dtype=torch.float32, device=g.device)  # [1, K]
     pdl = use_pdl(g)
     with on_device(g):
         _OUT_PROJ_ADD[(grid,)](
             g, weight, x_rms.sq, residual, norm_weight.contiguous(), new, x, ss, N, weight.shape[1], n_sq,
             float(x_rms.width), float(x_rms.eps), weight.stride(0), SQ_BLOCK=pow2(n_sq), BLOCK_N=t.block_n,
-            BLOCK_K=t.block_k, NUM_STAGES=t.num_stages, PDL=pdl, PRE_K=t.prefetch_k, num_warps=t.num_warps,
+            BLOCK_K=t.block_k, NUM_STAGES=t.num_stages, PDL=pdl, PRE_K=t.prefetch_k, COLS=cols, num_warps=t.num_warps,
             **launch_options(pdl),
         )
     return new, PendingNorm(x, ss, eps)

@@ -41,6 +41,7 @@ class LinearTile(NamedTuple):
     num_stages: int
     split_k: int = 1  # DOT path: K split over this many programs, fp32 partials summed by a second launch
     prefetch_k: int = 0  # FMA path under PDL: weight columns loaded before waiting for x (a multiple of block_k)
+    cols: int = 0  # one-row kernels with the block boundary's work: output columns a program owns (<= block_n; 0: block_n)
 
 
 # NOTE: the fastest of benchmarks/linear_gpu.py's sweep on an H200 (RESULTS.md, 2026-11-30): one row,
@@ -205,6 +206,23 @@ def skinny_linear_triton(
         if split > 1:
             launch_split_reduce(out, bias, y)
     return y
+
+
+def tile_cols(t: LinearTile) -> int:
+    """The output columns a program of a one-row kernel owns under tile t (LinearTile.cols)."""
+    if not 0 <= t.cols <= t.block_n:
+        raise ValueError(f"a tile's cols must be 0 (block_n) or at most block_n ({t.block_n}), got {t.cols}")
+    return t.cols or t.block_n
+
+
+def balanced(t: LinearTile, n: int, sms: int) -> LinearTile:
+    """t with fewer columns a program (LinearTile.cols) where that makes the grid an even number of
+    programs on every SM: as many a SM as t's full tiles would take. in_proj at one row, 2.7B shape on
+    the H200 (132 SMs): 331 programs of 32 columns (2 or 3 a SM) -> 392 of 27 (3 a SM), the batch-1
+    layer chain 26.88 / 27.92 against 27.15 / 28.62-28.71 us a layer (benchmarks/decode_chain_gpu.py,
+    RESULTS.md session 22); 21 columns (4 a SM) 31.9-32.6, 41 of 64 (2 a SM) 29.2-30.4."""
+    per_sm = cdiv(cdiv(n, t.block_n), sms)
+    return t._replace(cols=min(t.block_n, cdiv(n, per_sm * sms)))
 
 
 def fma_tile(n: int) -> LinearTile:

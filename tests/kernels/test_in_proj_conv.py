@@ -19,7 +19,7 @@ from pd_ssm.kernels.conv1d_triton import causal_conv1d_update_triton
 from pd_ssm.kernels.in_proj_conv_triton import in_proj_conv_triton
 from pd_ssm.kernels.mixer_decode import in_proj_conv_ref, mamba2_decode_step_ref
 from pd_ssm.kernels.mixer_decode_triton import mamba2_decode_step_triton
-from pd_ssm.kernels.skinny_linear_triton import skinny_linear_triton
+from pd_ssm.kernels.skinny_linear_triton import FMA_TILE, LinearTile, skinny_linear_triton
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -85,6 +85,28 @@ def test_one_launch_equals_the_two_it_replaces(shape: tuple[int, ...], dtype: to
     torch.testing.assert_close(got[2], state, **tol)
     untouched = [s for s in range(5) if s != int(c["slot"])]
     assert torch.equal(got[2][untouched], c["conv_state"][untouched])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fewer_columns_a_program_are_the_same_sums(shape: tuple[int, ...]) -> None:
+    """LinearTile.cols: a program owning fewer columns than its tile (the grid balanced over the SMs)
+    sums each column as before, the conv's channels split anywhere across programs."""
+    K, d_inner, H, N, G = shape
+    c = case(K, d_inner, H, N, G, torch.bfloat16, seed=5)
+    base, fewer = LinearTile(8, 256, 4, 3), LinearTile(8, 256, 4, 3, cols=5)
+    if K > 256:  # the 2.7B shape: the engine's tile, and 27 of its 32 columns (392 programs, 3 a SM)
+        base, fewer = FMA_TILE, FMA_TILE._replace(cols=27)
+    want, got = [], []
+    for tile, out in ((base, want), (fewer, got)):
+        state = c["conv_state"].clone()
+        out.extend(in_proj_conv_triton(c["hidden"], c["weight"], c["bias"], state, c["conv_weight"], c["conv_bias"],
+                                       state_indices=c["slot"], conv_start=d_inner, fused=True, tile=tile) + (state,))
+    for name, a, b in zip(("proj", "xbc", "conv state"), got, want, strict=True):
+        assert torch.equal(a, b), f"{name} differs with fewer columns a program"
+    with pytest.raises(ValueError, match="cols"):
+        in_proj_conv_triton(c["hidden"], c["weight"], c["bias"], c["conv_state"].clone(), c["conv_weight"],
+                            c["conv_bias"], state_indices=c["slot"], conv_start=d_inner, fused=True,
+                            tile=LinearTile(8, 256, 4, 3, cols=9))
 
 
 def test_padding_slot_touches_no_state() -> None:

@@ -27,7 +27,7 @@ from pd_ssm.kernels.out_proj_add_triton import (
 )
 from pd_ssm.kernels.pending_norm import PendingNorm, linear_pending_ref, out_proj_add_ref
 from pd_ssm.kernels.rmsnorm import RowRms, add_rms_norm_ref
-from pd_ssm.kernels.skinny_linear_triton import LinearTile, skinny_linear_triton
+from pd_ssm.kernels.skinny_linear_triton import FMA_TILE_NARROW, LinearTile, skinny_linear_triton
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -116,6 +116,23 @@ def pending(d: int, dtype: torch.dtype, seed: int, rows: int = 1) -> tuple[Tenso
     sq = h.float().pow(2)
     ss = torch.stack([sq[:, :5].sum(-1), sq[:, 5:].sum(-1), torch.zeros(rows, device=DEV)], dim=1)
     return residual, w, PendingNorm(w * h, ss, EPS)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_out_proj_add_with_fewer_columns_a_program(shape: tuple[int, ...]) -> None:
+    """LinearTile.cols at one row: the same sums and epilogue per column, the next norm's squares in
+    more or fewer partials (their total moves by rounding only)."""
+    d, d_inner = shape[:2]
+    c = boundary(d, d_inner, torch.bfloat16, torch.float32, seed=d + 1)
+    x_rms = RowRms(c["sq"], d_inner, EPS)
+    base, fewer = FMA_TILE_NARROW, LinearTile(8, 512, 4, 4, prefetch_k=2048, cols=5)
+    new_a, p_a = out_proj_add_triton(c["g"], c["w_out"], x_rms, c["residual"], c["norm_w"], EPS,
+                                     residual_dtype=torch.float32, tile=base)
+    new_b, p_b = out_proj_add_triton(c["g"], c["w_out"], x_rms, c["residual"], c["norm_w"], EPS,
+                                     residual_dtype=torch.float32, tile=fewer)
+    assert torch.equal(new_b, new_a) and torch.equal(p_b.x, p_a.x)
+    assert p_b.ss.shape[1] == -(-d // 5) and p_a.ss.shape[1] == -(-d // 4)
+    torch.testing.assert_close(p_b.ss.sum(-1), p_a.ss.sum(-1), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pd_ssm.kernels.skinny_linear_triton import LinearTile, skinny_linear_ref, skinny_linear_triton
+from pd_ssm.kernels.skinny_linear_triton import (
+    FMA_TILE,
+    FMA_TILE_NARROW,
+    LinearTile,
+    balanced,
+    skinny_linear_ref,
+    skinny_linear_triton,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -60,3 +67,15 @@ def test_linear_triton_routes_by_rows_and_dtype() -> None:
     for rows in (1, FMA_MAX_ROWS, FMA_MAX_ROWS + 1):
         x = torch.randn(rows, 40, generator=g).to(DEVICE)
         torch.testing.assert_close(linear_triton(x, w), torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)
+
+
+def test_balanced_tiles_even_out_the_programs_a_sm() -> None:
+    """`balanced`: the grid a whole number of programs a SM, as many as the full tiles would take."""
+    # in_proj at the 2.7B shape on 132 SMs: 331 tiles of 32 (2-3 a SM) -> 27 columns, 392 programs
+    t = balanced(FMA_TILE, 10576, 132)
+    assert t.cols == 27 and -(-10576 // t.cols) <= 3 * 132
+    assert t._replace(cols=0) == FMA_TILE
+    # out_proj's 640 tiles of 4 columns already fill 5 a SM to within one: unchanged
+    assert balanced(FMA_TILE_NARROW, 2560, 132).cols == 4
+    # never wider than the tile
+    assert balanced(FMA_TILE, 100, 132).cols == 1 and balanced(FMA_TILE, 10 ** 6, 4).cols <= FMA_TILE.block_n
