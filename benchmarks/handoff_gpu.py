@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from benchmarks.linear_gpu import graph_time_us
+
 # count: poll with an acquiring atomic; count-ld: poll with volatile loads, then one acquiring atomic;
 # (mode 4, released at the start, ran ahead of the ring of three counts and hung: not timed)
 MODES = {"plain": 0, "gate": 1, "count": 2, "count-ld": 3}
@@ -95,20 +97,8 @@ def run_chain(links: list[Link], mode: int | list[int], dev: torch.device,
                                      prev_grid, CHUNK=ln.chunk, BLOCK=BLOCK, MODE=abs(m), NUM_STAGES=3, **opts)
             prev, prev_grid = y, ln.grid
 
-    chain()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        chain()
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[3], float(ys[-1][: links[-1].grid].double().sum())
+    t = graph_time_us(lambda _x, _w: chain(), None, [0])
+    return t, float(ys[-1][: links[-1].grid].double().sum())
 
 
 def main() -> None:
