@@ -162,6 +162,8 @@ def check_dot_tile(kernel: str, t: LinearTile) -> None:
     gate, it lost 0.4-3.1 us a layer in the DOT tile: RESULTS.md session 20)."""
     if t.prefetch_k:
         raise ValueError(f"{kernel}: prefetch_k is the one-row GEMV's; the DOT tile takes none, got {t.prefetch_k}")
+    if t.cols:  # NOTE: 27 of 32 columns in in_proj's DOT tile lost at 8 and 32 rows (RESULTS.md session 22)
+        raise ValueError(f"{kernel}: cols is the one-row kernels'; the DOT tile takes none, got {t.cols}")
 
 
 def launch_dot(x: Tensor, weight: Tensor, out: Tensor, t: LinearTile, *, bias: Tensor | None = None,

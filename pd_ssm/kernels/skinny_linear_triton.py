@@ -41,7 +41,8 @@ class LinearTile(NamedTuple):
     num_stages: int
     split_k: int = 1  # DOT path: K split over this many programs, fp32 partials summed by a second launch
     prefetch_k: int = 0  # FMA path under PDL: weight columns loaded before waiting for x (a multiple of block_k)
-    cols: int = 0  # one-row kernels with the block boundary's work: output columns a program owns (<= block_n; 0: block_n)
+    # the one-row in_proj_conv and out_proj_add kernels only: output columns a program owns (<= block_n; 0: block_n)
+    cols: int = 0
 
 
 # NOTE: the fastest of benchmarks/linear_gpu.py's sweep on an H200 (RESULTS.md, 2026-11-30): one row,
@@ -185,6 +186,8 @@ def skinny_linear_triton(
         raise ValueError(f"skinny_linear: bias must be [{N}], got {tuple(bias.shape)}")
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)  # [M, N]
     t = tile or (fma_tile(N) if M <= FMA_MAX_ROWS else DOT_TILE)
+    if t.cols:
+        raise ValueError(f"skinny_linear: cols is the one-row in_proj_conv / out_proj_add kernels' knob, got {t.cols}")
     if pending is not None and (M <= FMA_MAX_ROWS or t.split_k > 1):
         raise ValueError(f"skinny_linear: a pending norm takes the DOT path without a split of K ({M} rows, "
                          f"split {t.split_k}); one row goes through in_proj_conv")
@@ -218,9 +221,10 @@ def tile_cols(t: LinearTile) -> int:
 def balanced(t: LinearTile, n: int, sms: int) -> LinearTile:
     """t with fewer columns a program (LinearTile.cols) where that makes the grid an even number of
     programs on every SM: as many a SM as t's full tiles would take. in_proj at one row, 2.7B shape on
-    the H200 (132 SMs): 331 programs of 32 columns (2 or 3 a SM) -> 392 of 27 (3 a SM), the batch-1
-    layer chain 26.88 / 27.92 against 27.15 / 28.62-28.71 us a layer (benchmarks/decode_chain_gpu.py,
-    RESULTS.md session 22); 21 columns (4 a SM) 31.9-32.6, 41 of 64 (2 a SM) 29.2-30.4."""
+    the H200 (132 SMs): 331 programs of 32 columns (2 or 3 a SM) -> 392 of 27 (3 a SM), the engine's
+    batch-1 step 1.865-1.873 -> 1.787-1.788 ms, the layer chain 26.88 / 27.92 against 27.15 /
+    28.62-28.71 us a layer (RESULTS.md session 22); 21 columns (4 a SM) 31.9-32.6, 41 of 64 (2 a SM)
+    29.2-30.4. The same cut lost for out_proj's one-row tiles and in_proj's DOT tile (session 22)."""
     per_sm = cdiv(cdiv(n, t.block_n), sms)
     return t._replace(cols=min(t.block_n, cdiv(n, per_sm * sms)))
 

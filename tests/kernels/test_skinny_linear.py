@@ -79,3 +79,13 @@ def test_balanced_tiles_even_out_the_programs_a_sm() -> None:
     assert balanced(FMA_TILE_NARROW, 2560, 132).cols == 4
     # never wider than the tile
     assert balanced(FMA_TILE, 100, 132).cols == 1 and balanced(FMA_TILE, 10 ** 6, 4).cols <= FMA_TILE.block_n
+
+
+def test_cols_refused_where_no_kernel_reads_it() -> None:
+    """LinearTile.cols is the one-row in_proj_conv / out_proj_add kernels' knob: the plain GEMV and the
+    DOT path refuse it rather than ignore it."""
+    x = torch.randn(3, 32).to(DEVICE)
+    w = torch.randn(16, 32).to(DEVICE)
+    for rows in (1, 3):
+        with pytest.raises(ValueError, match="cols"):
+            skinny_linear_triton(x[:rows], w, tile=LinearTile(16, 16, 4, 2, cols=8))
