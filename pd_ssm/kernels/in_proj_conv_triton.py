@@ -33,6 +33,8 @@ from pd_ssm.kernels._grid import cdiv, pow2
 from pd_ssm.kernels.conv1d import _check_conv_args
 from pd_ssm.kernels.conv1d_triton_update import causal_conv1d_update_triton
 from pd_ssm.kernels.conv1d_triton_varlen import _silu_in
+from pd_ssm.kernels.l2_prefetch import L2Rows, check_hint
+from pd_ssm.kernels.l2_prefetch_triton import prefetch_args, prefetch_rows_l2
 from pd_ssm.kernels.launch import FastKernel
 from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 from pd_ssm.kernels.pending_norm import PendingNorm, check_pending_norm, linear_pending_ref
@@ -114,10 +116,13 @@ def _in_proj_conv_kernel(
     N, K: tl.constexpr, conv_start, conv_dim, n_ss, eps,
     # strides (the last axes have stride 1; the pool is contiguous: [slot, d, j])
     stride_wn, stride_cw_d, stride_cw_k,
+    # a later kernel's L2 hint (l2_prefetch.py)
+    pf_ptr, pf_rows, pf_stride, pf_share, pf_lines,
     # meta-parameters
     HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, WIDTH: tl.constexpr, FAST_EXP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
     PRE_K: tl.constexpr, PENDING: tl.constexpr, SS_BLOCK: tl.constexpr, COLS: tl.constexpr,
+    PF_ROWS: tl.constexpr, PF_LINES: tl.constexpr, PF_LINE: tl.constexpr,
 ):
     """One row. PENDING: x is a PendingNorm's (ss_ptr its n_ss partial squares): the GEMV's sums are
     multiplied by the norm's scale (pending_norm.py). A program owns COLS <= BLOCK_N columns."""
@@ -146,6 +151,7 @@ def _in_proj_conv_kernel(
     if (n0 < conv_start + conv_dim) & (n0 + COLS > conv_start):  # NOTE: z and dt tiles skip the barrier
         conv_post(xv, row, st_ok, c_ok, slot >= 0, w_last, conv, conv_b, taps, xbc_ptr + (offs_n - conv_start),
                   state_ptr, WIDTH, HAS_CONV_BIAS, FAST_EXP)
+    prefetch_rows_l2(pf_ptr, pf_rows, pf_stride, pf_share, pf_lines, tl.program_id(0), PF_ROWS, PF_LINES, PF_LINE)
 
 
 @triton.jit
@@ -250,14 +256,19 @@ def in_proj_conv_triton(
     conv_start: int,
     fused: bool | None = None,
     tile: LinearTile | None = None,
+    prefetch: L2Rows | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Triton `in_proj_conv_ref` (shapes there). `fused`: None picks one launch where it serves
     (`fusable`), True forces it (tests, in Triton's interpreter too), False the two launches.
     `tile`, for sweeps: the one-row GEMV's (default skinny_linear_triton.fma_tile's, `balanced` over
-    the SMs), or the DOT path's for a pending norm of more rows (default skinny_linear_triton.DOT_TILE)."""
+    the SMs), or the DOT path's for a pending norm of more rows (default skinny_linear_triton.DOT_TILE).
+    `prefetch`: what a later kernel of the layer streams first (out_proj's weight), asked of L2 by each
+    program of the one-row launch once its outputs are stored (l2_prefetch.py); it changes no value."""
     pending = hidden if isinstance(hidden, PendingNorm) else None
     if pending is not None:
         check_pending_norm("in_proj_conv", pending)
+    if prefetch is not None:
+        check_hint("in_proj_conv", prefetch)
     x = hidden.x if isinstance(hidden, PendingNorm) else hidden
     B, K = x.shape
     N, conv_dim = weight.shape[0], conv_weight.shape[0]
@@ -291,11 +302,14 @@ def in_proj_conv_triton(
         if B == 1:
             t = tile or balanced(fma_tile(N), N, num_sms(x.device))
             cols = tile_cols(t)
-            _IN_PROJ_CONV[(cdiv(N, cols),)](
+            grid = cdiv(N, cols)
+            pf = prefetch_args(prefetch, grid)
+            _IN_PROJ_CONV[(grid,)](
                 x, weight, bias, proj, conv_state, state_indices.contiguous(), conv_weight, conv_bias, xbc, ss,
                 N, K, conv_start, conv_dim, n_ss, eps, weight.stride(0), conv_weight.stride(0), conv_weight.stride(1),
-                BLOCK_N=t.block_n, BLOCK_K=t.block_k, NUM_STAGES=t.num_stages, PRE_K=t.prefetch_k,
-                PENDING=pending is not None, COLS=cols, num_warps=t.num_warps, **conv, **launch_options(pdl),
+                *pf.runtime, BLOCK_N=t.block_n, BLOCK_K=t.block_k, NUM_STAGES=t.num_stages, PRE_K=t.prefetch_k,
+                PENDING=pending is not None, COLS=cols, num_warps=t.num_warps, **conv, **pf.meta,
+                **launch_options(pdl),
             )
         else:
             assert ss is not None  # checked above: more rows come as a pending norm

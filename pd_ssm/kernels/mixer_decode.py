@@ -35,6 +35,7 @@ from pd_ssm.kernels._checks import (
     check_shape,
 )
 from pd_ssm.kernels.conv1d import causal_conv1d_update_ref
+from pd_ssm.kernels.l2_prefetch import L2Rows, check_hint
 from pd_ssm.kernels.linear import linear_ref
 from pd_ssm.kernels.pending_norm import PendingNorm, linear_pending_ref
 from pd_ssm.kernels.rmsnorm import GatedSquares, rms_norm_gated_squares_ref
@@ -145,8 +146,11 @@ def in_proj_conv_ref(
     *,
     state_indices: Tensor,
     conv_start: int,
+    prefetch: L2Rows | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """in_proj, then the conv update of its xBC columns, for the decode rows of a step.
+    """in_proj, then the conv update of its xBC columns, for the decode rows of a step. `prefetch`
+    (what a later kernel streams first) is a hint for the GPU kernel's timing (l2_prefetch.py):
+    checked, without effect here.
 
       hidden         [B, K]                            the block's normalized input, or the pending
                                                        norm whose output it is (pending_norm.py)
@@ -157,6 +161,8 @@ def in_proj_conv_ref(
 
     Returns (proj [B, N], xbc [B, conv_dim]: the conv's output with SiLU); conv state in place.
     """
+    if prefetch is not None:
+        check_hint("in_proj_conv", prefetch)
     proj = linear_pending_ref(hidden, weight, bias) if isinstance(hidden, PendingNorm) else linear_ref(hidden, weight,
                                                                                                     bias)
     conv_dim = conv_weight.shape[0]

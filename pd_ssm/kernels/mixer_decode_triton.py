@@ -147,13 +147,18 @@ def mamba2_decode_step_triton(
 
 
 def default_config(batch: int, headdim: int, dstate: int, state_dtype: torch.dtype) -> SSUConfig:
-    """The state update's tile; from 32 sequences on, half the rows (4 KB of fp32 state) and one warp
-    a program. Measured per layer in CUDA graphs on an H200, 2.7B shape: at batch 32 / 128 two warps
+    """The state update's tile; at one sequence twice the rows (16 KB of fp32 state) and 8 warps a
+    program, from 32 sequences on half the rows (4 KB) and one warp. Measured per layer in CUDA graphs on an H200, 2.7B shape: at batch 32 / 128 two warps
     50.0 / 182.9 us, four 53.4 / 192.0 us, the three-kernel path 52.1 / 184.8 us, at batch 1 four
     warps 6.6 us against the three kernels' 8.3 us (decode_step_gpu.py, RESULTS.md session 4); in
     the 32-row layer chain (the pending norm's, session 20, wide_out_proj_gpu.py) 8 rows and one warp
-    75.9-76.0 against 77.2-77.6 us a layer for 16 rows and two."""
+    75.9-76.0 against 77.2-77.6 us a layer for 16 rows and two. At one sequence, 32 rows and 8 warps
+    (160 programs, 8 state values a thread): the engine's batch-1 step 1.706-1.712 ms against 1.742-1.751
+    for 16 rows and 4 warps, 1.715-1.722 for 16 and 8, 1.721-1.727 for 16 and 16, 1.764-1.768 for 32 and
+    4, 1.872-1.892 for 8 and 2 (RESULTS.md session 23, four A/B calls)."""
     cfg = ssu_config(headdim, dstate, state_dtype)
+    if batch == 1:
+        return cfg._replace(block_p=min(pow2(headdim), 2 * cfg.block_p), num_warps=8)
     return cfg if batch < 32 else cfg._replace(block_p=max(1, cfg.block_p // 2), num_warps=1)
 
 

@@ -27,6 +27,8 @@ from torch import Tensor
 from pd_ssm.kernels._checks import check_dtype, check_last_dim_contiguous, check_shape
 from pd_ssm.kernels._device import on_device
 from pd_ssm.kernels._grid import cdiv, pow2
+from pd_ssm.kernels.l2_prefetch import L2Rows, check_hint
+from pd_ssm.kernels.l2_prefetch_triton import prefetch_args, prefetch_rows_l2
 from pd_ssm.kernels.launch import FastKernel
 from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 from pd_ssm.kernels.pending_norm import PendingNorm
@@ -65,9 +67,12 @@ def _out_proj_add_kernel(
     N, K: tl.constexpr, n_sq, width, eps,
     # strides (the last axes have stride 1)
     stride_wn,
+    # the next kernel's L2 hint (l2_prefetch.py)
+    pf_ptr, pf_rows, pf_stride, pf_share, pf_lines,
     # meta-parameters
     SQ_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr, PRE_K: tl.constexpr, COLS: tl.constexpr,
+    PF_ROWS: tl.constexpr, PF_LINES: tl.constexpr, PF_LINE: tl.constexpr,
 ):
     """A program owns COLS <= BLOCK_N output columns."""
     pid = tl.program_id(0)
@@ -86,6 +91,7 @@ def _out_proj_add_kernel(
     out = y.to(g_ptr.dtype.element_ty).to(tl.float32)  # out_proj's output as the GEMV stores it
     r = 1.0 / tl.sqrt_rn(tl.sum(sq, axis=0) / width + eps)
     _add_and_leave_pending(out, r, res, nw, res_out_ptr + offs_n, x_out_ptr + offs_n, ss_ptr + pid, n_ok)
+    prefetch_rows_l2(pf_ptr, pf_rows, pf_stride, pf_share, pf_lines, pid, PF_ROWS, PF_LINES, PF_LINE)
 
 
 @triton.jit
@@ -142,13 +148,15 @@ def pending_norm_triton(g: Tensor, weight: Tensor) -> bool:
 
 def out_proj_add_triton(
     g: Tensor, weight: Tensor, x_rms: RowRms, residual: Tensor, norm_weight: Tensor, eps: float, *,
-    residual_dtype: torch.dtype, tile: LinearTile | None = None,
+    residual_dtype: torch.dtype, tile: LinearTile | None = None, prefetch: L2Rows | None = None,
 ) -> tuple[Tensor, PendingNorm]:
     """Triton `out_proj_add_ref` (pending_norm.py): g [M, d_inner], weight [d, d_inner] and norm_weight
     [d] of one dtype; residual [M, d] any float dtype (`pending_norm_triton` says where it is the
     faster choice). Returns (residual [M, d] in residual_dtype, PendingNorm(x [M, d], ss [M, K] fp32,
     eps)). `tile`: the GEMV's at one row (default skinny_linear_triton.fma_tile's), the split-K
-    GEMM's at more (default WIDE_TILE), for sweeps."""
+    GEMM's at more (default WIDE_TILE), for sweeps. `prefetch`: what the next kernel streams first (the
+    next block's in_proj weight), asked of L2 by each one-row program once its outputs are stored
+    (l2_prefetch.py); it changes no value. More rows take no hint: the split-K path lost with it."""
     k = "out_proj_add"
     if (g.dim() != 2 or not 0 < g.shape[0] <= MAX_ROWS or weight.dim() != 2 or weight.shape[1] != g.shape[1]
             or g.dtype != weight.dtype or g.stride(1) != 1 or weight.stride(1) != 1):
@@ -161,6 +169,8 @@ def out_proj_add_triton(
     check_dtype(k, "norm_weight", norm_weight, (g.dtype,))
     check_shape(k, "x_rms.sq", x_rms.sq, "[M, K]", (M, x_rms.sq.shape[-1]))
     check_last_dim_contiguous(k, "x_rms.sq", x_rms.sq)
+    if prefetch is not None:
+        check_hint(k, prefetch)
     residual = residual.contiguous()
     new = torch.empty((M, N), dtype=residual_dtype, device=g.device)  # [M, d]
     x = torch.empty((M, N), dtype=norm_weight.dtype, device=g.device)  # [M, d]
@@ -184,12 +194,13 @@ def out_proj_add_triton(
     cols = tile_cols(t)
     grid = cdiv(N, cols)
     ss = torch.empty((1, grid), dtype=torch.float32, device=g.device)  # [1, K]
+    pf = prefetch_args(prefetch, grid)
     pdl = use_pdl(g)
     with on_device(g):
         _OUT_PROJ_ADD[(grid,)](
             g, weight, x_rms.sq, residual, norm_weight.contiguous(), new, x, ss, N, weight.shape[1], n_sq,
-            float(x_rms.width), float(x_rms.eps), weight.stride(0), SQ_BLOCK=pow2(n_sq), BLOCK_N=t.block_n,
-            BLOCK_K=t.block_k, NUM_STAGES=t.num_stages, PDL=pdl, PRE_K=t.prefetch_k, COLS=cols, num_warps=t.num_warps,
-            **launch_options(pdl),
+            float(x_rms.width), float(x_rms.eps), weight.stride(0), *pf.runtime, SQ_BLOCK=pow2(n_sq),
+            BLOCK_N=t.block_n, BLOCK_K=t.block_k, NUM_STAGES=t.num_stages, PDL=pdl, PRE_K=t.prefetch_k, COLS=cols,
+            num_warps=t.num_warps, **pf.meta, **launch_options(pdl),
         )
     return new, PendingNorm(x, ss, eps)

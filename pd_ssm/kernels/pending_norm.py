@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from pd_ssm.kernels._checks import FLOAT_DTYPES, check_dtype, check_ndim, check_shape
+from pd_ssm.kernels.l2_prefetch import L2Rows, check_hint
 from pd_ssm.kernels.linear import linear_ref
 from pd_ssm.kernels.rmsnorm import RowRms
 
@@ -65,10 +66,11 @@ def pending_norm_ref(g: Tensor, weight: Tensor) -> bool:
 
 def out_proj_add_ref(
     g: Tensor, weight: Tensor, x_rms: RowRms, residual: Tensor, norm_weight: Tensor, eps: float, *,
-    residual_dtype: torch.dtype,
+    residual_dtype: torch.dtype, prefetch: L2Rows | None = None,
 ) -> tuple[Tensor, PendingNorm]:
     """out_proj, then the residual add of `add_rms_norm_ref(out, residual, x_rms=...)`, and the next
-    RMSNorm (norm_weight, eps) left pending.
+    RMSNorm (norm_weight, eps) left pending. `prefetch` (what the next kernel reads first) is a hint
+    for the GPU kernel's timing (l2_prefetch.py): checked, without effect here.
 
       g            [T, d_inner]   out_proj's input (the gated value, its row scale deferred)
       weight       [d, d_inner]   out_proj (no bias: the row scale would have to skip it)
@@ -78,6 +80,8 @@ def out_proj_add_ref(
 
     Returns (residual [T, d] in residual_dtype, PendingNorm(x [T, d], ss [T, 1], eps)).
     """
+    if prefetch is not None:
+        check_hint("out_proj_add", prefetch)
     out = linear_ref(g, weight)  # [T, d] in g.dtype
     new = (residual.to(residual_dtype) + out.float() * x_rms.scale()[:, None]).to(residual_dtype)
     h = new.to(norm_weight.dtype)  # the norm's input, as the reference rounds it

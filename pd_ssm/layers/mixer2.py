@@ -43,6 +43,7 @@ from pd_ssm.cache.pool import CachePool
 from pd_ssm.config import ModelConfig
 from pd_ssm.engine.forward_meta import ForwardMeta
 from pd_ssm.kernels.dispatch import Kernels
+from pd_ssm.kernels.l2_prefetch import NEXT_WEIGHT_HEAD_BYTES, OUT_PROJ_HEAD_BYTES, L2Rows
 from pd_ssm.kernels.pending_norm import PendingNorm
 from pd_ssm.kernels.rmsnorm import GatedSquares, RowRms
 from pd_ssm.layers.norm import GatedRMSNorm, NormBoundary, PendingBlock, ScaledDelta
@@ -159,8 +160,10 @@ class Mamba2Mixer(nn.Module):
             if (boundary is not None and meta.num_prefills == 0 and not boundary.next_norm.weight_in_fp32
                     and k.pending_norm(gated.g, self.out_proj.weight)):
                 nxt = boundary.next_norm
+                # the next block's in_proj streams right after: its head is asked of L2 by this kernel's tail
+                ahead = None if boundary.next_weight is None else L2Rows(boundary.next_weight, NEXT_WEIGHT_HEAD_BYTES)
                 residual, pending = k.out_proj_add(gated.g, self.out_proj.weight, rms, boundary.residual, nxt.weight,
-                                                   nxt.eps, residual_dtype=boundary.residual_dtype)
+                                                   nxt.eps, residual_dtype=boundary.residual_dtype, prefetch=ahead)
                 return PendingBlock(residual, pending)
             out = k.linear(gated.g, self.out_proj.weight, None)  # [T, hidden]; no bias (see __init__)
             return ScaledDelta(out, rms)
@@ -186,6 +189,8 @@ class Mamba2Mixer(nn.Module):
         proj, xbc = k.in_proj_conv(
             hidden, self.in_proj.weight, self.in_proj.bias, cache.conv(self.layer_idx), self.conv1d.weight,
             self.conv1d.bias, state_indices=slots, conv_start=self.d_inner,
+            # NOTE: out_proj streams next, after the state update: its head is asked of L2 meanwhile
+            prefetch=L2Rows(self.out_proj.weight, OUT_PROJ_HEAD_BYTES),
         )
         return k.mamba2_decode_step(
             proj, cache.conv(self.layer_idx), self.conv1d.weight, self.conv1d.bias, cache.ssm(self.layer_idx), self.A(),

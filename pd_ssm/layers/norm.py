@@ -83,6 +83,9 @@ class NormBoundary(NamedTuple):
     residual: torch.Tensor  # [T, hidden] the residual stream the block's output is added to
     residual_dtype: torch.dtype
     next_norm: RMSNorm  # the next block's pre-norm
+    # the weight the next block streams first (its in_proj's [N, hidden]): the boundary's last kernel
+    # asks L2 for its head (kernels/l2_prefetch.py); None: nothing to ask for
+    next_weight: torch.Tensor | None = None
 
 
 class GatedRMSNorm(nn.Module):

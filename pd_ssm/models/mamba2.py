@@ -15,6 +15,7 @@ each block to know the next block's norm.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -44,18 +45,19 @@ class Mamba2Block(nn.Module):
 
     def forward(
         self, delta: torch.Tensor | ScaledDelta | PendingNorm | None, residual: torch.Tensor, meta: ForwardMeta,
-        cache: CachePool, next_norm: RMSNorm | None = None,
+        cache: CachePool, next_norm: RMSNorm | None = None, next_weight: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | ScaledDelta | PendingNorm, torch.Tensor]:
         """(mixer output [T, hidden], residual stream [T, hidden] including delta). A PendingNorm delta:
         the previous block added its output to `residual` already and left this block's norm pending.
-        `next_norm` (the next block's norm) lets the mixer do the same for the next block."""
+        `next_norm` (the next block's norm) lets the mixer do the same for the next block;
+        `next_weight` (the next block's in_proj weight) is what the boundary's kernel asks L2 for."""
         residual_dtype = torch.float32 if self.residual_in_fp32 else residual.dtype
         normed: torch.Tensor | PendingNorm
         if isinstance(delta, PendingNorm):
             normed = delta
         else:
             normed, residual = self.norm.add_forward(delta, residual, residual_dtype)
-        boundary = None if next_norm is None else NormBoundary(residual, residual_dtype, next_norm)
+        boundary = None if next_norm is None else NormBoundary(residual, residual_dtype, next_norm, next_weight)
         out = self.mixer(normed, meta, cache, boundary)
         if isinstance(out, PendingBlock):
             return out.pending, out.residual
@@ -85,8 +87,9 @@ class Mamba2ForCausalLM(CausalLM):
         delta: torch.Tensor | ScaledDelta | PendingNorm | None = None
         layers = self.backbone.layers
         for i, layer in enumerate(layers):
-            next_norm = layers[i + 1].norm if i + 1 < len(layers) else None
-            delta, residual = layer(delta, residual, meta, cache, next_norm)
+            nxt = cast(Mamba2Block, layers[i + 1]) if i + 1 < len(layers) else None
+            delta, residual = layer(delta, residual, meta, cache, None if nxt is None else nxt.norm,
+                                    None if nxt is None else nxt.mixer.in_proj.weight)
             meta.layer_done(i)  # its cache pages are final: a streaming step may ship them now
         # NOTE: the last block has no next norm, so no PendingNorm reaches norm_f
         assert not isinstance(delta, PendingNorm)

@@ -16,7 +16,8 @@ from kernel_oracles import gen
 from torch import Tensor
 
 from pd_ssm.kernels.conv1d_triton import causal_conv1d_update_triton
-from pd_ssm.kernels.in_proj_conv_triton import in_proj_conv_triton
+from pd_ssm.kernels.in_proj_conv_triton import _in_proj_conv_kernel, in_proj_conv_triton
+from pd_ssm.kernels.l2_prefetch import L2Rows
 from pd_ssm.kernels.mixer_decode import in_proj_conv_ref, mamba2_decode_step_ref
 from pd_ssm.kernels.mixer_decode_triton import mamba2_decode_step_triton
 from pd_ssm.kernels.skinny_linear_triton import FMA_TILE, LinearTile, skinny_linear_triton
@@ -107,6 +108,29 @@ def test_fewer_columns_a_program_are_the_same_sums(shape: tuple[int, ...]) -> No
         in_proj_conv_triton(c["hidden"], c["weight"], c["bias"], c["conv_state"].clone(), c["conv_weight"],
                             c["conv_bias"], state_indices=c["slot"], conv_start=d_inner, fused=True,
                             tile=LinearTile(8, 256, 4, 3, cols=9))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_asking_l2_for_out_proj_changes_nothing(shape: tuple[int, ...]) -> None:
+    """An L2Rows hint (out_proj's weight, the layer's next stream) moves bytes earlier, no value: the
+    same bits with and without it; on the GPU the one-row kernel is compiled with the prefetch."""
+    K, d_inner, H, N, G = shape
+    c = case(K, d_inner, H, N, G, torch.bfloat16, seed=K + 11)
+    w_out = (torch.randn(K, d_inner, generator=gen(K)) * d_inner ** -0.5).to(DEV, torch.bfloat16)  # [hidden, d_inner]
+    want = fused(c, d_inner, True)
+    for head in (128, 1024, 1 << 16):  # 1 << 16: longer than a row, cut at its end
+        state = c["conv_state"].clone()
+        got = in_proj_conv_triton(c["hidden"], c["weight"], c["bias"], state, c["conv_weight"], c["conv_bias"],
+                                  state_indices=c["slot"], conv_start=d_inner, fused=True,
+                                  prefetch=L2Rows(w_out, head)) + (state,)
+        for name, a, b in zip(("proj", "xbc", "conv state"), got, want, strict=True):
+            assert torch.equal(a, b), f"{name} differs with the hint"
+    if CUDA:
+        compiled = _in_proj_conv_kernel.device_caches[torch.cuda.current_device()][0].values()
+        assert any("prefetch.global.L2" in k.asm["ptx"] for k in compiled)
+    with pytest.raises(ValueError, match="stride 1"):
+        in_proj_conv_ref(c["hidden"], c["weight"], c["bias"], c["conv_state"].clone(), c["conv_weight"],
+                         c["conv_bias"], state_indices=c["slot"], conv_start=d_inner, prefetch=L2Rows(w_out.t(), 128))
 
 
 def test_padding_slot_touches_no_state() -> None:

@@ -15,9 +15,10 @@ import torch
 from kernel_oracles import gen
 from torch import Tensor
 
+from pd_ssm.kernels._grid import pow2
 from pd_ssm.kernels.conv1d_triton import causal_conv1d_update_triton
 from pd_ssm.kernels.mixer_decode import mamba2_decode_step_ref
-from pd_ssm.kernels.mixer_decode_triton import launch_decode_step, mamba2_decode_step_triton
+from pd_ssm.kernels.mixer_decode_triton import default_config, launch_decode_step, mamba2_decode_step_triton
 from pd_ssm.kernels.rmsnorm import RowRms, add_rms_norm_ref, rms_norm_gated_ref, rms_norm_gated_squares_ref
 from pd_ssm.kernels.rmsnorm_triton import add_rms_norm_triton, rms_norm_gated_squares_triton
 from pd_ssm.kernels.ssu_triton import SSUConfig, selective_state_update_triton
@@ -116,6 +117,19 @@ def test_triton_equals_the_three_kernels_it_replaces(
     c = Case(*shape, Bt=4 if not CUDA else 128, slots_n=7 if not CUDA else 130, dtype=dtype,
              state_dtype=torch.float32, seed=7 + sum(shape))
     (g, sq), conv, ssm = c.run(mamba2_decode_step_triton, tile=SSUConfig(block_p, 4))
+    g_u, sq_u, conv_u, ssm_u = c.unfused()
+    assert torch.equal(g, g_u)
+    assert torch.equal(conv, conv_u) and torch.equal(ssm, ssm_u)
+    torch.testing.assert_close(sq.sum(-1), sq_u, rtol=1e-5, atol=1e-6)  # summed in another order
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_one_sequence_on_its_own_tile_equals_the_three_kernels(shape: tuple[int, int, int, int]) -> None:
+    """At batch 1 the default tile is another (twice the rows, 8 warps: default_config): the same bits."""
+    c = Case(*shape, Bt=1, slots_n=3, dtype=torch.bfloat16, state_dtype=torch.float32, seed=11 + sum(shape))
+    cfg = default_config(1, c.P, c.N, torch.float32)
+    assert cfg.num_warps == 8 and cfg.block_p == min(pow2(c.P), 2 * default_config(2, c.P, c.N, torch.float32).block_p)
+    (g, sq), conv, ssm = c.run(mamba2_decode_step_triton)
     g_u, sq_u, conv_u, ssm_u = c.unfused()
     assert torch.equal(g, g_u)
     assert torch.equal(conv, conv_u) and torch.equal(ssm, ssm_u)

@@ -18,10 +18,12 @@ from kernel_oracles import gen
 from torch import Tensor
 
 from pd_ssm.kernels.in_proj_conv_triton import DOT_CONV_MAX_ROWS, fusable, in_proj_conv_triton
+from pd_ssm.kernels.l2_prefetch import L2Rows
 from pd_ssm.kernels.mixer_decode import in_proj_conv_ref
 from pd_ssm.kernels.out_proj_add_triton import (
     PENDING_MAX_ROWS,
     WIDE_TILE,
+    _out_proj_add_kernel,
     out_proj_add_triton,
     pending_norm_triton,
 )
@@ -133,6 +135,35 @@ def test_out_proj_add_with_fewer_columns_a_program(shape: tuple[int, ...]) -> No
     assert torch.equal(new_b, new_a) and torch.equal(p_b.x, p_a.x)
     assert p_b.ss.shape[1] == -(-d // 5) and p_a.ss.shape[1] == -(-d // 4)
     torch.testing.assert_close(p_b.ss.sum(-1), p_a.ss.sum(-1), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_out_proj_add_asking_l2_for_the_next_weight_changes_nothing(shape: tuple[int, ...], rows: int) -> None:
+    """An L2Rows hint (the next block's in_proj weight) moves bytes earlier, no value: the outputs are
+    the same bits with and without it. On the GPU the one-row kernel is compiled with the prefetch."""
+    d, d_inner = shape[:2]
+    c = boundary(d, d_inner, torch.bfloat16, torch.float32, seed=d + rows)
+    x_rms = RowRms(c["sq"], d_inner, EPS)
+    nxt = rand(gen(d + 7), 2 * d_inner + 3, 64).to(torch.bfloat16)  # [N, K]: odd rows, 128-byte rows
+    args = (c["g"], c["w_out"], x_rms, c["residual"], c["norm_w"], EPS)
+    new_a, p_a = out_proj_add_triton(*args, residual_dtype=torch.float32)
+    for head in (128, 1024, 8192):  # 8192: longer than the row, cut at its end
+        new_b, p_b = out_proj_add_triton(*args, residual_dtype=torch.float32, prefetch=L2Rows(nxt, head))
+        assert torch.equal(new_b, new_a) and torch.equal(p_b.x, p_a.x) and torch.equal(p_b.ss, p_a.ss)
+    if CUDA and rows == 1:  # more rows take no hint (out_proj_add_triton)
+        compiled = _out_proj_add_kernel.device_caches[torch.cuda.current_device()][0].values()
+        assert any("prefetch.global.L2" in k.asm["ptx"] for k in compiled)
+
+
+def test_a_bad_l2_hint_refused() -> None:
+    b = boundary(46, 40, torch.bfloat16, torch.float32, seed=5)
+    x_rms = RowRms(b["sq"], 40, EPS)
+    w = rand(gen(6), 90, 46).to(torch.bfloat16)
+    for fn in (out_proj_add_triton, out_proj_add_ref):
+        with pytest.raises(ValueError, match="stride 1"):
+            fn(b["g"], b["w_out"], x_rms, b["residual"], b["norm_w"], EPS, residual_dtype=torch.float32,
+               prefetch=L2Rows(w.t(), 128))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
