@@ -87,6 +87,13 @@ def conv_pre(state_ptr, slot, cw_ptr, cb_ptr, c, n_ok, conv_dim, stride_cw_d, st
 
 
 @triton.jit
+def has_conv_columns(n0, cols, conv_start, conv_dim):
+    """Whether in_proj columns [n0, n0 + cols) hold any xBC channel: the tiles of z and dt columns
+    (about half of in_proj's) skip the conv, its barrier, the re-read of their output and its stores."""
+    return (n0 < conv_start + conv_dim) & (n0 + cols > conv_start)
+
+
+@triton.jit
 def conv_post(xv, row, st_ok, c_ok, live, w_last, conv, conv_b, taps, xbc_ptrs, state_ptr, WIDTH: tl.constexpr,
               HAS_CONV_BIAS: tl.constexpr, FAST_EXP: tl.constexpr):
     """The conv's finish on in_proj's output xv as it is stored (its new input): the last tap, the
@@ -148,7 +155,7 @@ def _in_proj_conv_kernel(
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     xv = y.to(act)  # in_proj's output as it is stored: the conv's new input
     tl.store(y_ptr + offs_n, xv, mask=n_ok)
-    if (n0 < conv_start + conv_dim) & (n0 + COLS > conv_start):  # NOTE: z and dt tiles skip the barrier
+    if has_conv_columns(n0, COLS, conv_start, conv_dim):
         conv_post(xv, row, st_ok, c_ok, slot >= 0, w_last, conv, conv_b, taps, xbc_ptr + (offs_n - conv_start),
                   state_ptr, WIDTH, HAS_CONV_BIAS, FAST_EXP)
     prefetch_rows_l2(pf_ptr, pf_rows, pf_stride, pf_share, pf_lines, tl.program_id(0), PF_ROWS, PF_LINES, PF_LINE)
@@ -203,9 +210,7 @@ def _in_proj_conv_dot_kernel(
     tile_ok = n_ok[:, None] & m_ok[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=tile_ok)
     n0 = tl.program_id(0) * BLOCK_N
-    # NOTE: the tiles of z and dt columns (about half of in_proj's) skip the conv: its barrier, the
-    # re-read of their output and the masked stores
-    if (n0 < conv_start + conv_dim) & (n0 + BLOCK_N > conv_start):
+    if has_conv_columns(n0, BLOCK_N, conv_start, conv_dim):
         tl.debug_barrier()  # every thread's stores before any thread's loads
         xv = tl.load(y_ptrs, mask=tile_ok, other=0.0)  # [BLOCK_N, BLOCK_M]
         xbc_ptrs = xbc_ptr + offs_m.to(tl.int64)[None, :] * stride_xbc + c  # [BLOCK_N, BLOCK_M]
