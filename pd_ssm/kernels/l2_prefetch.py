@@ -17,7 +17,11 @@ Where it pays (engine A/B calls on an H200, 2.7B shape, RESULTS.md session 23), 
     us of it, 1024 and 2048 less good;
   - in_proj + conv's programs ask for the first 1024 bytes of out_proj's rows: 1.748-1.751 -> 1.742-1.747
     (4096 bytes, all that out_proj loads before its gate, the same).
-What lost: the same hint from the 32-row boundary's reduce launch (160 programs asking for 67 rows
+At 2-32 rows (RESULTS.md session 24), the split-K GEMM of out_proj + add (160 programs of 64 columns)
+asks for the first 1024 bytes of each row of the next in_proj, what its DOT tile's first four K slices
+read: batch 32 4.876-4.895 -> 4.818-4.832 ms, batch 8 2.818-2.822 -> 2.751-2.752 (512 bytes: 4.825-4.831
+and 2.765-2.766; 256: 4.861-4.863 and 2.784-2.787).
+What lost: the same hint from that boundary's reduce launch instead (160 programs asking for 67 rows
 each: the batch-32 step 4.89 -> 4.95 ms at 512 bytes, 5.09 at 1024), and bulk prefetches
 (`cp.async.bulk.prefetch.L2`, one a row) in place of line prefetches: 1.79 -> 1.82 / 1.91 / 2.09 ms at
 512 / 1024 / 2048 bytes, as if a program's exit waited for its bulk copies.
@@ -34,8 +38,10 @@ from typing import NamedTuple
 from torch import Tensor
 
 LINE_BYTES = 128  # what one prefetch asks L2 for: the line holding the address
-# the head of the next block's in_proj weight a block boundary asks for, per row (layers/mixer2.py)
+# the head of the next block's in_proj weight a block boundary asks for, per row (layers/mixer2.py):
+# at one row, for in_proj's GEMV; at more, for its DOT tile (in_proj_conv_triton.py)
 NEXT_WEIGHT_HEAD_BYTES = 512
+NEXT_WEIGHT_TILE_HEAD_BYTES = 1024
 # the head of out_proj's weight in_proj asks for, per row (layers/mixer2.py)
 OUT_PROJ_HEAD_BYTES = 1024
 

@@ -155,8 +155,8 @@ def out_proj_add_triton(
     faster choice). Returns (residual [M, d] in residual_dtype, PendingNorm(x [M, d], ss [M, K] fp32,
     eps)). `tile`: the GEMV's at one row (default skinny_linear_triton.fma_tile's), the split-K
     GEMM's at more (default WIDE_TILE), for sweeps. `prefetch`: what the next kernel streams first (the
-    next block's in_proj weight), asked of L2 by each one-row program once its outputs are stored
-    (l2_prefetch.py); it changes no value. More rows take no hint: the split-K path lost with it."""
+    next block's in_proj weight), asked of L2 once their outputs are stored by the one-row GEMV's
+    programs, at more rows by the split-K GEMM's (l2_prefetch.py); it changes no value."""
     k = "out_proj_add"
     if (g.dim() != 2 or not 0 < g.shape[0] <= MAX_ROWS or weight.dim() != 2 or weight.shape[1] != g.shape[1]
             or g.dtype != weight.dtype or g.stride(1) != 1 or weight.stride(1) != 1):
@@ -179,7 +179,8 @@ def out_proj_add_triton(
         t = tile or WIDE_TILE
         # the split-K GEMM's fp32 partials, summed with the epilogue by one launch
         ws = torch.empty((max(1, t.split_k), M, N), dtype=torch.float32, device=g.device)  # [S, M, d]
-        launch_dot(g, weight, ws, t)
+        # the GEMM's programs ask for the hint, not the reduce's: RESULTS.md session 24
+        launch_dot(g, weight, ws, t, prefetch=prefetch)
         grid_n = cdiv(N, REDUCE_BLOCK)
         ss = torch.empty((M, grid_n), dtype=torch.float32, device=g.device)  # [M, K]
         pdl = use_pdl(g)

@@ -26,6 +26,8 @@ from torch import Tensor
 
 from pd_ssm.kernels._device import on_device
 from pd_ssm.kernels._grid import cdiv, pow2
+from pd_ssm.kernels.l2_prefetch import L2Rows
+from pd_ssm.kernels.l2_prefetch_triton import prefetch_args, prefetch_rows_l2
 from pd_ssm.kernels.launch import FastKernel
 from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 
@@ -92,11 +94,13 @@ def _skinny_dot_kernel(
     M, N, K: tl.constexpr, n_ss, eps,
     # strides (the last axes have stride 1)
     stride_xm, stride_wn, stride_ym, stride_ss,
+    # the next kernel's L2 hint (l2_prefetch.py)
+    pf_ptr, pf_rows, pf_stride, pf_share, pf_lines,
     # meta-parameters
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, K_MASK: tl.constexpr,
     INTERPRETED: tl.constexpr, IEEE: tl.constexpr, PENDING: tl.constexpr, SS_BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PF_ROWS: tl.constexpr, PF_LINES: tl.constexpr, PF_LINE: tl.constexpr,
 ):
     """SPLIT == 1: y = x W^T (+ bias) rounded once; else y_ptr is an fp32 [SPLIT, M, N] workspace of
     partial sums over K_PER_SPLIT-long slices of K (bias and rounding left to the reduce kernel).
@@ -127,6 +131,8 @@ def _skinny_dot_kernel(
     else:
         part = y_ptr + (pid_s * M + offs_m.to(tl.int64))[None, :] * N + offs_n[:, None]
         tl.store(part, acc, mask=out_ok)
+    flat = pid_n + tl.num_programs(0) * (pid_m + tl.num_programs(1) * pid_s)
+    prefetch_rows_l2(pf_ptr, pf_rows, pf_stride, pf_share, pf_lines, flat, PF_ROWS, PF_LINES, PF_LINE)
 
 
 @triton.jit
@@ -167,9 +173,11 @@ def check_dot_tile(kernel: str, t: LinearTile) -> None:
 
 
 def launch_dot(x: Tensor, weight: Tensor, out: Tensor, t: LinearTile, *, bias: Tensor | None = None,
-               pending: PendingNorm | None = None) -> None:
+               pending: PendingNorm | None = None, prefetch: L2Rows | None = None) -> None:
     """The DOT path's GEMM (arguments checked by the caller): out = x W^T (+ bias) [M, N] in x's dtype
-    where t.split_k <= 1, else the fp32 partial sums [split, M, N] for a reduce launch to add up."""
+    where t.split_k <= 1, else the fp32 partial sums [split, M, N] for a reduce launch to add up.
+    `prefetch`: what a later kernel streams first, asked of L2 by every program once its tile is
+    stored (l2_prefetch.py); it changes no value."""
     check_dot_tile("skinny_linear", t)
     M, K = x.shape
     N = weight.shape[0]
@@ -179,15 +187,17 @@ def launch_dot(x: Tensor, weight: Tensor, out: Tensor, t: LinearTile, *, bias: T
     ss = None if pending is None else pending.ss.contiguous()
     n_ss = 0 if ss is None else ss.shape[1]
     pdl = use_pdl(x)
+    grid = (cdiv(N, t.block_n), cdiv(M, block_m), split)
+    pf = prefetch_args(prefetch, grid[0] * grid[1] * grid[2])
     with on_device(x):
-        _SKINNY_DOT[(cdiv(N, t.block_n), cdiv(M, block_m), split)](
+        _SKINNY_DOT[grid](
             x, weight, bias, out, ss, M, N, K, n_ss, 0.0 if pending is None else float(pending.eps),
-            x.stride(0), weight.stride(0), out.stride(-2), 0 if ss is None else ss.stride(0),
+            x.stride(0), weight.stride(0), out.stride(-2), 0 if ss is None else ss.stride(0), *pf.runtime,
             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
             K_PER_SPLIT=k_per_split, SPLIT=split, NUM_STAGES=t.num_stages, K_MASK=k_per_split * split != K,
             INTERPRETED=not x.is_cuda,
             IEEE=x.dtype == torch.float32, PENDING=pending is not None, SS_BLOCK=pow2(n_ss), PDL=pdl,
-            num_warps=t.num_warps, **launch_options(pdl),
+            num_warps=t.num_warps, **pf.meta, **launch_options(pdl),
         )
 
 

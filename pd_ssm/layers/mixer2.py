@@ -43,7 +43,12 @@ from pd_ssm.cache.pool import CachePool
 from pd_ssm.config import ModelConfig
 from pd_ssm.engine.forward_meta import ForwardMeta
 from pd_ssm.kernels.dispatch import Kernels
-from pd_ssm.kernels.l2_prefetch import NEXT_WEIGHT_HEAD_BYTES, OUT_PROJ_HEAD_BYTES, L2Rows
+from pd_ssm.kernels.l2_prefetch import (
+    NEXT_WEIGHT_HEAD_BYTES,
+    NEXT_WEIGHT_TILE_HEAD_BYTES,
+    OUT_PROJ_HEAD_BYTES,
+    L2Rows,
+)
 from pd_ssm.kernels.pending_norm import PendingNorm
 from pd_ssm.kernels.rmsnorm import GatedSquares, RowRms
 from pd_ssm.layers.norm import GatedRMSNorm, NormBoundary, PendingBlock, ScaledDelta
@@ -161,7 +166,8 @@ class Mamba2Mixer(nn.Module):
                     and k.pending_norm(gated.g, self.out_proj.weight)):
                 nxt = boundary.next_norm
                 # the next block's in_proj streams right after: its head is asked of L2 by this kernel's tail
-                ahead = None if boundary.next_weight is None else L2Rows(boundary.next_weight, NEXT_WEIGHT_HEAD_BYTES)
+                head = NEXT_WEIGHT_HEAD_BYTES if rows == 1 else NEXT_WEIGHT_TILE_HEAD_BYTES
+                ahead = None if boundary.next_weight is None else L2Rows(boundary.next_weight, head)
                 residual, pending = k.out_proj_add(gated.g, self.out_proj.weight, rms, boundary.residual, nxt.weight,
                                                    nxt.eps, residual_dtype=boundary.residual_dtype, prefetch=ahead)
                 return PendingBlock(residual, pending)

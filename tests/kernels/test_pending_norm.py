@@ -29,6 +29,7 @@ from pd_ssm.kernels.out_proj_add_triton import (
 )
 from pd_ssm.kernels.pending_norm import PendingNorm, linear_pending_ref, out_proj_add_ref
 from pd_ssm.kernels.rmsnorm import RowRms, add_rms_norm_ref
+from pd_ssm.kernels.skinny_gemm_triton import _skinny_dot_kernel
 from pd_ssm.kernels.skinny_linear_triton import FMA_TILE_NARROW, LinearTile, skinny_linear_triton
 
 CUDA = torch.cuda.is_available()
@@ -141,9 +142,10 @@ def test_out_proj_add_with_fewer_columns_a_program(shape: tuple[int, ...]) -> No
 @pytest.mark.parametrize("shape", SHAPES)
 def test_out_proj_add_asking_l2_for_the_next_weight_changes_nothing(shape: tuple[int, ...], rows: int) -> None:
     """An L2Rows hint (the next block's in_proj weight) moves bytes earlier, no value: the outputs are
-    the same bits with and without it. On the GPU the one-row kernel is compiled with the prefetch."""
+    the same bits with and without it. On the GPU the kernel that asks (the one-row GEMV, at more rows
+    the split-K GEMM) is compiled with the prefetch."""
     d, d_inner = shape[:2]
-    c = boundary(d, d_inner, torch.bfloat16, torch.float32, seed=d + rows)
+    c = boundary(d, d_inner, torch.bfloat16, torch.float32, seed=d + rows, rows=rows)
     x_rms = RowRms(c["sq"], d_inner, EPS)
     nxt = rand(gen(d + 7), 2 * d_inner + 3, 64).to(torch.bfloat16)  # [N, K]: odd rows, 128-byte rows
     args = (c["g"], c["w_out"], x_rms, c["residual"], c["norm_w"], EPS)
@@ -151,8 +153,9 @@ def test_out_proj_add_asking_l2_for_the_next_weight_changes_nothing(shape: tuple
     for head in (128, 1024, 8192):  # 8192: longer than the row, cut at its end
         new_b, p_b = out_proj_add_triton(*args, residual_dtype=torch.float32, prefetch=L2Rows(nxt, head))
         assert torch.equal(new_b, new_a) and torch.equal(p_b.x, p_a.x) and torch.equal(p_b.ss, p_a.ss)
-    if CUDA and rows == 1:  # more rows take no hint (out_proj_add_triton)
-        compiled = _out_proj_add_kernel.device_caches[torch.cuda.current_device()][0].values()
+    if CUDA:
+        asking = _out_proj_add_kernel if rows == 1 else _skinny_dot_kernel
+        compiled = asking.device_caches[torch.cuda.current_device()][0].values()
         assert any("prefetch.global.L2" in k.asm["ptx"] for k in compiled)
 
 
