@@ -68,11 +68,11 @@ SERIAL_CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def compile_scan(BM: int = 64, BK: int = 32, warps: int = 4, stages: int = 3, cb: bool = False,
-                 maxnreg: int | None = None, prefetch: bool = False) -> tuple[int, int]:
+                 maxnreg: int | None = None, prefetch: bool = False, late_start: bool = False) -> tuple[int, int]:
     """(registers per thread, shared bytes per program) of one scan config, compiled for sm_90."""
     const = dict(CHUNK=256, HAS_D=True, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", INTERPRETED=False, HEADS=1,
-                 HEAD_LOOP=1, CB_LOADED=cb, CB_WHOLE_TILES=cb, TMA=True, PREFETCH=prefetch, BLOCK_M=BM, BLOCK_K=BK, BLOCK_P=64,
-                 BLOCK_N=128)
+                 HEAD_LOOP=1, CB_LOADED=cb, CB_WHOLE_TILES=cb, TMA=True, PREFETCH=prefetch, LATE_START=late_start,
+                 PDL=late_start, BLOCK_M=BM, BLOCK_K=BK, BLOCK_P=64, BLOCK_N=128)
     descs = dict(x_desc=f"tensordesc<bf16[{BK},64]>", B_desc=f"tensordesc<bf16[{BK},128]>",
                  C_desc=f"tensordesc<bf16[{BM},128]>")
     sig = {n: "constexpr" if n in const else descs.get(n, _PTRS.get(n, "i32"))

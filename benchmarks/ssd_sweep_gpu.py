@@ -173,6 +173,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # session 15: the chunk-state kernel (257 us of 1.16 ms at 1x32768, 2.6 TB/s: its x read and
     # fp32 state write at copy rate would take 157 us) and the passing kernel (132 us, ~3.8 TB/s)
     "state bn64": dict(state_block_n=64),
+    # session 24: the scan launched under PDL while the passing kernel runs, its causal part before the
+    # gate (scan_overlap, the large-batch default on the two-kernel path); without it, as before
+    "no overlap": dict(scan_overlap=False),
+    "two kernels no overlap": dict(state_serial=False, scan_overlap=False),
     "state bn64 w2": dict(state_block_n=64, state_warps=2),
     "state s2": dict(state_stages=2),
     "state s3": dict(state_stages=3),

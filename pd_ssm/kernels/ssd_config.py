@@ -42,6 +42,13 @@ class SSDConfig:
     # 752 -> 700 us at 1 x 32768, 292 -> 269 us at 16 x 1024 (H200, session 16)
     scan_prefetch: bool = False
     scan_head_loop: int = 1  # sets of scan_heads heads run one after the other by one scan program
+    # the scan launched under PDL (pdl.py) while the passing kernel runs: each program computes its
+    # causal part first (C B^T, cs and dt' come from launches two or more back), then waits for the
+    # passing kernel and adds the entering state's part. Two-kernel path with the look-ahead only
+    # (scan_prefetch, dt' launch, C B^T loaded); without PDL (CPU, PD_SSM_PDL=0) the same order, no
+    # overlap. H200, 2.7B shapes, one run (RESULTS.md session 24): 1 x 8192 0.304 -> 0.298 ms, 1 x 32768
+    # 1.094 -> 1.085: only the scan's first wave overlaps (its programs then hold their SM at the gate)
+    scan_overlap: bool = False
     chunk_states_low: bool = False  # chunk end states (state -> passing kernel) in the dot dtype
     # register cap of the scan kernel (ptxas .maxnreg): 128 at 4 warps keeps 4 programs per SM
     scan_maxnreg: int | None = None
@@ -100,7 +107,7 @@ _FP32_CONFIG = SSDConfig(state_block_k=64, state_warps=8, state_stages=2, scan_b
 # 0.332 -> 0.299 ms, but 1 x 4096 0.241 -> 0.279 ms (host-bound), so smaller batches keep the fused scan
 LARGE_BATCH_TOKENS = 8192
 _LARGE_BATCH_CONFIG = SSDConfig(scan_cb="fp32", scan_stages=2, scan_maxnreg=128, scan_prefetch=True,
-                                state_dt_launch=True)
+                                state_dt_launch=True, scan_overlap=True)
 
 
 def default_config(dot_dtype: torch.dtype, num_tokens: int = 0) -> SSDConfig:

@@ -15,6 +15,7 @@ import torch
 import triton.language as tl
 
 from pd_ssm.kernels._grid import cdiv, pow2
+from pd_ssm.kernels.pdl import launch_options
 from pd_ssm.kernels.ssd import NO_DT_LIMIT
 from pd_ssm.kernels.ssd_config import SSDConfig
 
@@ -99,6 +100,7 @@ class ScanShape:
     boundaries: bool  # return_boundary_states
     max_seqlen: int | None
     tma_readable: bool  # x, B and C readable through TMA descriptors (ssd_triton._tma_readable)
+    pdl: bool = False  # the device and Triton launch with PDL (pdl.use_pdl)
 
 
 class Launch(NamedTuple):
@@ -196,14 +198,28 @@ def plan_scan(sh: ScanShape, cfg: SSDConfig, interpreted: bool) -> ScanPlan:
                  DT_DONE=cfg.state_dt_launch, BLOCK_K=state_bk, BLOCK_P=BP, BLOCK_N=state_bn,
                  num_warps=cfg.state_warps, num_stages=cfg.state_stages, **dot))
         pass_block = min(cfg.pass_block, pow2(PN))
+    cb_loaded = cfg.scan_cb != "fused"
+    block_m = block(Q, cfg.scan_block_m)
+    block_k = block(Q, cfg.scan_block_k)
+    # NOTE: a scan tile (rows of one row block, columns below (row block + 1) * block_m) lies in one
+    # CB block on or below the diagonal, which the CB kernel wrote whole (columns past L as zeros),
+    # when CB blocks are whole row blocks, row blocks whole column steps, and chunks whole row blocks
+    cb_blk = block(Q, cfg.cb_block) if cb_loaded else 0
+    whole_tiles = cb_loaded and cb_blk % block_m == 0 and block_m % block_k == 0 and Q % block_m == 0
+    heads = cfg.scan_heads if (H // G) % cfg.scan_heads == 0 else 1
+    prefetch = cfg.scan_prefetch and whole_tiles and heads == 1
+    # NOTE: the scan's causal part before its PDL gate reads C B^T, cs and dt': none may be the passing
+    # kernel's (the launch just before the scan), so dt' has its own launch and C B^T is made before
+    # the chunk states (ssd_triton.py's order)
+    late_start = cfg.scan_overlap and not serial and cfg.state_dt_launch and prefetch
+    overlap = late_start and sh.pdl  # without PDL (CPU, PD_SSM_PDL=0) the same kernel, its gate compiled away
+    if not serial:
         passing = Launch((cdiv(PN, pass_block), S, H), (K, H, PN),
                          dict(CHUNK=Q, RETURN_BOUNDARY=sh.boundaries, INTERPRETED=interpreted, BLOCK=pass_block,
-                              num_warps=cfg.pass_warps))
+                              PDL=overlap, num_warps=cfg.pass_warps, **launch_options(overlap)))
 
-    cb_loaded = cfg.scan_cb != "fused"
     # fp32 dots (fp32 inputs) keep C B^T in fp32 whatever scan_cb says
     cb_dtype = torch.float32 if cfg.scan_cb == "fp32" else dot_dtype
-    cb_blk = block(Q, cfg.cb_block) if cb_loaded else 0
     cb = None
     if cb_loaded:
         cb = Launch(
@@ -213,13 +229,6 @@ def plan_scan(sh: ScanShape, cfg: SSDConfig, interpreted: bool) -> ScanPlan:
             dict(CHUNK=Q, BLOCK=cb_blk, BLOCK_N=block(N, 32 if dot_dtype == torch.float32 else 128),
                  num_warps=cfg.cb_warps, **dot))
 
-    block_m = block(Q, cfg.scan_block_m)
-    block_k = block(Q, cfg.scan_block_k)
-    # NOTE: a scan tile (rows of one row block, columns below (row block + 1) * block_m) lies in one
-    # CB block on or below the diagonal, which the CB kernel wrote whole (columns past L as zeros),
-    # when CB blocks are whole row blocks, row blocks whole column steps, and chunks whole row blocks
-    whole_tiles = cb_loaded and cb_blk % block_m == 0 and block_m % block_k == 0 and Q % block_m == 0
-    heads = cfg.scan_heads if (H // G) % cfg.scan_heads == 0 else 1
     # NOTE: one program's heads must lie in one group; else fall back to one set per program
     loop = cfg.scan_head_loop if (H // G) % (heads * cfg.scan_head_loop) == 0 else 1
     scan_tma = cfg.scan_tma and long_enough
@@ -228,9 +237,9 @@ def plan_scan(sh: ScanShape, cfg: SSDConfig, interpreted: bool) -> ScanPlan:
         # the output is a fresh contiguous [T, H, P]: strides H P and P
         (K, H, P, N, H // G, G, x0, x1, B0, B1, C0, C1, H * P, P),
         dict(CHUNK=Q, HAS_D=sh.has_D, HEADS=heads, HEAD_LOOP=loop, CB_LOADED=cb_loaded, CB_WHOLE_TILES=whole_tiles,
-             TMA=scan_tma, PREFETCH=cfg.scan_prefetch and whole_tiles and heads == 1, BLOCK_M=block_m,
+             TMA=scan_tma, PREFETCH=prefetch, LATE_START=late_start, PDL=overlap, BLOCK_M=block_m,
              BLOCK_K=block_k, BLOCK_P=BP, BLOCK_N=BN, num_warps=cfg.scan_warps, num_stages=cfg.scan_stages,
-             maxnreg=cfg.scan_maxnreg, **dot))
+             maxnreg=cfg.scan_maxnreg, **dot, **launch_options(overlap)))
     return ScanPlan(
         Q=Q, K=K, dot_dtype=dot_dtype, meta_sizes=(4 * K, S, S, S + 1), work_sizes=(H * K * Q, H * K * Q, own_states),
         low_states=K * H * PN if low_states and not serial else 0, starts=K * H * PN,

@@ -8,7 +8,9 @@ Four launches: chunk metadata, chunk states (dt' and its cumsum fused in), state
 sequence, chunk scan (the C B^T product fused in). For batches of short sequences (bf16 / fp16:
 at most SSDConfig.serial_max_tokens, `use_serial_states`) the middle two are one launch that walks
 each sequence, in chunks of SSDConfig.serial_chunk (`kernel_chunk`); with SSDConfig.scan_cb !=
-"fused", one more launch makes C B^T once per (chunk, group) and the scan loads it.
+"fused", one more launch makes C B^T once per (chunk, group) and the scan loads it. Launch order:
+metadata, dt' (where it has its own launch), C B^T, the states, the scan: the scan may then read
+everything but the entering states before its PDL gate (SSDConfig.scan_overlap).
 
 No host synchronization unless return_boundary_states is set: the logical-chunk grid is sized by
 an upper bound computed from shapes alone, and programs past the real count exit at once. The
@@ -27,6 +29,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pd_ssm.kernels.launch import Compiled, FastKernel
+from pd_ssm.kernels.pdl import use_pdl
 from pd_ssm.kernels.ssd import NO_DT_LIMIT, ScanOutput, _check_scan_args
 from pd_ssm.kernels.ssd_config import SSDConfig, default_config
 from pd_ssm.kernels.ssd_plan import Launch, ScanPlan, ScanShape, block, plan_scan
@@ -175,7 +178,7 @@ def ssd_scan_with_config(
                      C.stride(1)),
             has_D=D is not None, has_dt_bias=dt_bias is not None, dt_softplus=dt_softplus, dt_limit=limit,
             boundaries=return_boundary_states, max_seqlen=max_seqlen,
-            tma_readable=_tma_readable(x, B, C, block(P, 256), block(N, 256)))
+            tma_readable=_tma_readable(x, B, C, block(P, 256), block(N, 256)), pdl=use_pdl(x))
         prepared = _Prepared(plan_scan(shape, config or default_config(dot_dtype, T), _INTERPRETED))
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
@@ -204,6 +207,14 @@ def _scan(
     starts = torch.empty(p.starts, dtype=p.dot_dtype, device=dev)  # the state entering each chunk
 
     prepared.go(0, _META, p.meta, (cu_seqlens, context_lens, chunk_info, seq_first, seq_end, bcu))
+    if p.dt is not None:
+        prepared.go(2, _DT, p.dt, (dt, A, dt_bias, chunk_info, dt_buf, cs_buf))
+    cb = out  # never read where CB_LOADED is off
+    if p.cb is not None and p.cb_shape is not None:
+        # NOTE: before the states: the scan may read C B^T before its PDL gate only where the launch just
+        # before it is not the one that made it (ssd_plan.py, scan_overlap)
+        cb = torch.empty(p.cb_shape, dtype=p.cb_dtype, device=dev)  # [K, G, Q, Q], s <= l < L written
+        prepared.go(5, _CB, p.cb, (C, B, chunk_info, cb))
 
     def boundary_out() -> Tensor:
         if not boundaries:
@@ -219,18 +230,12 @@ def _scan(
             dt_buf, cs_buf, starts, ssm_state, bstates, sx, sB))
     else:
         assert p.state is not None and p.passing is not None
-        if p.dt is not None:
-            prepared.go(2, _DT, p.dt, (dt, A, dt_bias, chunk_info, dt_buf, cs_buf))
         prepared.go(3, _STATE, p.state, (x, dt, A, dt_bias, B, chunk_info, dt_buf, cs_buf, states, sx, sB))
         bstates = boundary_out()  # NOTE: after the chunk-state launch, which runs while the host waits
         prepared.go(4, _PASSING, p.passing, (
             states, cs_buf, chunk_info, seq_first, seq_end, state_indices, has_initial_state, starts, ssm_state,
             bstates))
 
-    cb = out  # never read where CB_LOADED is off
-    if p.cb is not None and p.cb_shape is not None:
-        cb = torch.empty(p.cb_shape, dtype=p.cb_dtype, device=dev)  # [K, G, Q, Q], s <= l < L written
-        prepared.go(5, _CB, p.cb, (C, B, chunk_info, cb))
     xd, Bd, Cd = (x, B, C) if p.scan_tiles is None else (
         _descriptor(x, *p.scan_tiles[0]), _descriptor(B, *p.scan_tiles[1]), _descriptor(C, *p.scan_tiles[2]))
     prepared.go(6, _SCAN, p.scan, (x, B, C, D, dt_buf, cs_buf, starts, chunk_info, cb, out, xd, Bd, Cd))

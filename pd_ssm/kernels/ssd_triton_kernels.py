@@ -27,6 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pd_ssm.kernels.pdl import pdl_gate
+
 
 @triton.jit
 def _softplus(x):
@@ -283,7 +285,10 @@ def _ssd_state_passing_kernel(
     K_max, nheads, PN,
     # meta-parameters
     CHUNK: tl.constexpr, RETURN_BOUNDARY: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    """PDL (the scan overlapping it, ssd_config.scan_overlap): the chunk states (the launch just before
+    this one's output) are read after the gate; the gate also releases the scan (pdl.py)."""
     s = tl.program_id(1)
     h = tl.program_id(2)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -294,6 +299,7 @@ def _ssd_state_passing_kernel(
     has_init = tl.load(has_init_ptr + s)
     pool_ptrs = pool_ptr + (slot * nheads + h) * PN + offs
     state = tl.load(pool_ptrs, mask=m & has_init, other=0.0).to(tl.float32)
+    pdl_gate(PDL)
 
     # one chunk ahead: the loads of chunk c+1 are in flight while chunk c is folded in
     cst = tl.load(states_ptr + (first * nheads + h) * PN + offs, mask=m, other=0.0).to(tl.float32)

@@ -11,7 +11,30 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pd_ssm.kernels.pdl import pdl_gate
 from pd_ssm.kernels.ssd_triton_kernels import _cast, _dot
+
+
+@triton.jit
+def _scan_c_rows(C_ptr, C_desc, t0, mb, g, dstate, offs_m, offs_n, mm, mn, stride_C_t, stride_C_g,
+                 DOT_DTYPE: tl.constexpr, INTERPRETED: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The row block's C of its group, [BLOCK_M, BLOCK_N] in the dot dtype."""
+    if TMA:
+        C_m = C_desc.load([(t0 + mb * BLOCK_M).to(tl.int32), g * dstate])
+    else:
+        C_m = tl.load(C_ptr + t0 * stride_C_t + g * stride_C_g + offs_m[:, None] * stride_C_t + offs_n[None, :],
+                      mask=mm[:, None] & mn[None, :], other=0.0)
+    return _cast(C_m, DOT_DTYPE, INTERPRETED)
+
+
+@triton.jit
+def _scan_state_part(C_m, h, k, nheads, headdim, dstate, starts_ptr, cs_m, offs_p, offs_n, mp, mn,
+                     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One head's rows' view of the state entering the chunk: C·state·e^{cs}, [BLOCK_M, BLOCK_P] fp32."""
+    stT = tl.load(starts_ptr + (k * nheads + h) * (headdim * dstate) + offs_p[None, :] * dstate + offs_n[:, None],
+                  mask=mn[:, None] & mp[None, :], other=0.0)
+    stT = _cast(stT, DOT_DTYPE, INTERPRETED)  # [BLOCK_N, BLOCK_P]
+    return _dot(C_m, stT, None, DOT_PRECISION, INTERPRETED) * tl.exp(cs_m)[:, None]
 
 
 @triton.jit
@@ -20,10 +43,8 @@ def _scan_head_start(C_m, h, k, nheads, headdim, dstate, cs_buf_ptr, buf, starts
                      DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """One head's rows: the entering state's contribution C·state·e^{cs}, and their cs."""
     cs_m = tl.load(cs_buf_ptr + buf + offs_m, mask=offs_m < CHUNK, other=0.0)
-    stT = tl.load(starts_ptr + (k * nheads + h) * (headdim * dstate) + offs_p[None, :] * dstate + offs_n[:, None],
-                  mask=mn[:, None] & mp[None, :], other=0.0)
-    stT = _cast(stT, DOT_DTYPE, INTERPRETED)  # [BLOCK_N, BLOCK_P]
-    acc = _dot(C_m, stT, None, DOT_PRECISION, INTERPRETED) * tl.exp(cs_m)[:, None]  # [BLOCK_M, BLOCK_P]
+    acc = _scan_state_part(C_m, h, k, nheads, headdim, dstate, starts_ptr, cs_m, offs_p, offs_n, mp, mn, DOT_DTYPE,
+                           DOT_PRECISION, INTERPRETED)  # [BLOCK_M, BLOCK_P]
     return acc, cs_m
 
 
@@ -108,9 +129,12 @@ def _ssd_chunk_scan_kernel(
     # meta-parameters
     CHUNK: tl.constexpr, HAS_D: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr, HEADS: tl.constexpr, HEAD_LOOP: tl.constexpr, CB_LOADED: tl.constexpr,
-    CB_WHOLE_TILES: tl.constexpr, TMA: tl.constexpr, PREFETCH: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    CB_WHOLE_TILES: tl.constexpr, TMA: tl.constexpr, PREFETCH: tl.constexpr, LATE_START: tl.constexpr,
+    PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # LATE_START (one head, PREFETCH; ssd_config.scan_overlap): the causal part first, then the PDL gate
+    # (pdl.py: the passing kernel, launched just before, has written the entering states), then the
+    # entering state's part. Everything read before the gate is from launches two or more back.
     # HEADS (1, 2 or 4) consecutive heads of one group share this program's C and B tiles and each
     # C B^T block: the product is made once for all of them. HEAD_LOOP such sets run one after the
     # other in the same program (longer-lived programs; with CB_LOADED the CB tiles are re-read
@@ -120,6 +144,7 @@ def _ssd_chunk_scan_kernel(
     t0 = tl.load(chunk_ptr + 4 * k + 1).to(tl.int64)
     L = tl.load(chunk_ptr + 4 * k + 2)
     if mb * BLOCK_M >= L:
+        pdl_gate(PDL)  # every program passes the gate (pdl.py, contract 4)
         return
     g = (tl.program_id(0) * (HEADS * HEAD_LOOP)) // heads_per_group
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -132,12 +157,9 @@ def _ssd_chunk_scan_kernel(
     # chunk's L (the next sequence's tokens) are read too. They change nothing: a row l >= L is
     # never stored, and a source s >= L > l of a row that is stored has zero weight (causal mask,
     # dt' loaded as 0). Tiles are exactly P and N wide (the launcher checks): no other head or group
-    if TMA:
-        C_m = C_desc.load([(t0 + mb * BLOCK_M).to(tl.int32), g * dstate])
-    else:
-        C_m = tl.load(C_ptr + t0 * stride_C_t + g * stride_C_g + offs_m[:, None] * stride_C_t + offs_n[None, :],
-                      mask=mm[:, None] & mn[None, :], other=0.0)
-    C_m = _cast(C_m, DOT_DTYPE, INTERPRETED)  # [BLOCK_M, BLOCK_N]
+    if not LATE_START:  # else loaded after the gate: not held in registers through the causal loop
+        C_m = _scan_c_rows(C_ptr, C_desc, t0, mb, g, dstate, offs_m, offs_n, mm, mn, stride_C_t, stride_C_g,
+                           DOT_DTYPE, INTERPRETED, TMA, BLOCK_M)
     B_base = B_ptr + t0 * stride_B_t + g * stride_B_g
     cb_base = cb_ptr + (k * ngroups + g) * (CHUNK * CHUNK)  # [CHUNK, CHUNK] of this (chunk, group)
     for it in range(HEAD_LOOP):
@@ -152,9 +174,13 @@ def _ssd_chunk_scan_kernel(
                 D3 = tl.load(D_ptr + h0 + 3).to(tl.float32)
         buf0 = (h0 * K_max + k) * CHUNK
         xb0 = x_ptr + t0 * stride_x_t + h0 * stride_x_h
-        acc0, cs0 = _scan_head_start(C_m, h0, k, nheads, headdim, dstate, cs_buf_ptr, buf0, starts_ptr, xb0,
-                                          offs_m, offs_p, offs_n, mm, mp, mn, stride_x_t, CHUNK, DOT_DTYPE,
-                                          DOT_PRECISION, INTERPRETED)
+        if LATE_START:
+            cs0 = tl.load(cs_buf_ptr + buf0 + offs_m, mask=offs_m < CHUNK, other=0.0)
+            acc0 = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
+        else:
+            acc0, cs0 = _scan_head_start(C_m, h0, k, nheads, headdim, dstate, cs_buf_ptr, buf0, starts_ptr, xb0,
+                                         offs_m, offs_p, offs_n, mm, mp, mn, stride_x_t, CHUNK, DOT_DTYPE,
+                                         DOT_PRECISION, INTERPRETED)
         if HEADS >= 2:
             buf1 = buf0 + K_max * CHUNK
             xb1 = xb0 + stride_x_h
@@ -241,6 +267,12 @@ def _ssd_chunk_scan_kernel(
                         acc2 = _dot_done(acc2, INTERPRETED)
                         acc3 = _dot_done(acc3, INTERPRETED)
 
+        if LATE_START:
+            pdl_gate(PDL)
+            C_m = _scan_c_rows(C_ptr, C_desc, t0, mb, g, dstate, offs_m, offs_n, mm, mn, stride_C_t, stride_C_g,
+                               DOT_DTYPE, INTERPRETED, TMA, BLOCK_M)
+            acc0 += _scan_state_part(C_m, h0, k, nheads, headdim, dstate, starts_ptr, cs0, offs_p, offs_n, mp, mn,
+                                     DOT_DTYPE, DOT_PRECISION, INTERPRETED)
         _scan_head_store(acc0, h0, out_ptr, t0, offs_m, offs_p, mm, mp, stride_o_t, stride_o_h, INTERPRETED)
         if HEADS >= 2:
             _scan_head_store(acc1, h0 + 1, out_ptr, t0, offs_m, offs_p, mm, mp, stride_o_t,

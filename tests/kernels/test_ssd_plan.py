@@ -47,6 +47,26 @@ def test_large_batches_add_the_dt_and_cb_launches() -> None:
     assert plan.cb_dtype == torch.float32 and plan.dt.grid == (H, plan.K)
     assert plan.scan.constexprs["PREFETCH"] and plan.scan.constexprs["CB_LOADED"]
     assert plan.scan.constexprs["maxnreg"] == 128 and plan.state is not None and plan.state.constexprs["DT_DONE"]
+    # the scan adds the entering states last; under PDL only where the device has it
+    assert plan.scan.constexprs["LATE_START"] and not plan.scan.constexprs["PDL"]
+    assert plan.passing is not None and not plan.passing.constexprs["PDL"]
+    assert "launch_pdl" not in plan.scan.constexprs
+
+
+def test_the_scan_overlaps_the_passing_kernel_under_pdl() -> None:
+    """With PDL the passing kernel releases the scan at its gate and the scan waits for it only
+    before the entering states; the serial path and configs without dt' launch or look-ahead keep
+    the entering states first."""
+    cfg = default_config(torch.bfloat16, LARGE_BATCH_TOKENS)
+    plan = plan_scan(shape([LARGE_BATCH_TOKENS], pdl=True), cfg, False)
+    assert plan.passing is not None and plan.passing.constexprs["PDL"] and plan.passing.constexprs["launch_pdl"]
+    assert plan.scan.constexprs["LATE_START"] and plan.scan.constexprs["PDL"] and plan.scan.constexprs["launch_pdl"]
+    for other in (dataclasses.replace(cfg, scan_overlap=False), dataclasses.replace(cfg, state_dt_launch=False),
+                  dataclasses.replace(cfg, scan_prefetch=False)):
+        off = plan_scan(shape([LARGE_BATCH_TOKENS], pdl=True), other, False)
+        assert not off.scan.constexprs["LATE_START"] and not off.scan.constexprs["PDL"]
+    serial = plan_scan(shape([1024] * 16, pdl=True), cfg, False)
+    assert serial.serial is not None and not serial.scan.constexprs["LATE_START"]
 
 
 def test_short_sequences_walk_serially_in_smaller_chunks() -> None:

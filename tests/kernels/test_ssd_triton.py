@@ -70,8 +70,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "two_kernels": dict(state_serial=False),  # chunk states, then their passing, at every batch size
     # the large-batch default (ssd_config.default_config from LARGE_BATCH_TOKENS): C B^T made once per
     # (chunk, group) in fp32 and loaded by the scan a step ahead, two stages, the scan's registers
-    # capped, dt' by its own launch on the two-kernel path
-    "large_batch": dict(scan_cb="fp32", scan_stages=2, scan_maxnreg=128, scan_prefetch=True, state_dt_launch=True),
+    # capped, dt' by its own launch on the two-kernel path, where the scan adds the entering states last
+    # (after its PDL gate on a GPU)
+    "large_batch": dict(scan_cb="fp32", scan_stages=2, scan_maxnreg=128, scan_prefetch=True, state_dt_launch=True,
+                        scan_overlap=True),
+    # the same on the two-kernel path at every batch size: the entering states added last everywhere
+    "large_batch_two_kernels": dict(scan_cb="fp32", scan_stages=2, scan_maxnreg=128, scan_prefetch=True,
+                                    state_dt_launch=True, scan_overlap=True, state_serial=False),
     # the serial path in chunks of a quarter of the model's where sequences average two of them (the
     # default's 128 of 256 never shows at these chunks): boundary states still at the model's multiples
     "serial_subchunk": dict(serial_max_tokens=1 << 30, serial_chunk=CHUNK // 4),
