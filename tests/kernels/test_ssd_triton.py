@@ -377,7 +377,9 @@ def test_a_repeated_signature_launches_by_its_first_plan(monkeypatch: pytest.Mon
     # specialization of every such launch and raises where it would pick another kernel)
     monkeypatch.setattr(FastKernel, "verify", True)
     monkeypatch.setattr(ssd_triton, "_PLANS", {})
-    for seed in (31, 32, 33, 34):  # new inputs every call; compiled, then cached, then direct
+    # new inputs every call; on a GPU compiled, then cached, then direct. The interpreter caches no
+    # compiled kernel (launch.py): past the second call a CPU run repeats the second
+    for seed in (31, 32, 33, 34) if CUDA else (31, 32):
         run_case([5, 130, 67], [0, 37, 64], [False, True, True], seed=seed, dtype=torch.bfloat16)
     assert len(ssd_triton._PLANS) == 1
     prepared = next(iter(ssd_triton._PLANS.values()))
