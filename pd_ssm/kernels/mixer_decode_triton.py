@@ -148,9 +148,10 @@ def mamba2_decode_step_triton(
 
 def default_config(batch: int, headdim: int, dstate: int, state_dtype: torch.dtype) -> SSUConfig:
     """The state update's tile; at one sequence twice the rows (16 KB of fp32 state) and 8 warps a
-    program, from 32 sequences on half the rows (4 KB) and one warp. Measured per layer in CUDA graphs on an H200, 2.7B shape: at batch 32 / 128 two warps
-    50.0 / 182.9 us, four 53.4 / 192.0 us, the three-kernel path 52.1 / 184.8 us, at batch 1 four
-    warps 6.6 us against the three kernels' 8.3 us (decode_step_gpu.py, RESULTS.md session 4); in
+    program, from 32 sequences on half the rows (4 KB) and one warp. Measured per layer in CUDA
+    graphs on an H200, 2.7B shape: at batch 32 / 128 two warps 50.0 / 182.9 us, four 53.4 / 192.0 us,
+    the three-kernel path 52.1 / 184.8 us, at batch 1 four warps 6.6 us against the three kernels'
+    8.3 us (decode_step_gpu.py, RESULTS.md session 4); in
     the 32-row layer chain (the pending norm's, session 20, wide_out_proj_gpu.py) 8 rows and one warp
     75.9-76.0 against 77.2-77.6 us a layer for 16 rows and two. At one sequence, 32 rows and 8 warps
     (160 programs, 8 state values a thread): the engine's batch-1 step 1.706-1.712 ms against 1.742-1.751

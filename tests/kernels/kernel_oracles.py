@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,6 +23,12 @@ def gen(seed: int) -> torch.Generator:
 
 def i32(values: Sequence[int] | Sequence[bool]) -> Tensor:
     return torch.tensor(list(values), dtype=torch.int32)
+
+
+def compiled_ptx(kernel: Any) -> list[str]:
+    """The PTX of every variant of a @triton.jit function Triton has compiled on the current CUDA
+    device in this process (its kernel cache: the first entry of `device_caches[device]`)."""
+    return [k.asm["ptx"] for k in kernel.device_caches[torch.cuda.current_device()][0].values()]
 
 
 def cu_of(lengths: Sequence[int]) -> list[int]:

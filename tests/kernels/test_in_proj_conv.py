@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_oracles import gen
+from kernel_oracles import compiled_ptx, gen
 from torch import Tensor
 
 from pd_ssm.kernels.conv1d_triton import causal_conv1d_update_triton
@@ -126,8 +126,7 @@ def test_asking_l2_for_out_proj_changes_nothing(shape: tuple[int, ...]) -> None:
         for name, a, b in zip(("proj", "xbc", "conv state"), got, want, strict=True):
             assert torch.equal(a, b), f"{name} differs with the hint"
     if CUDA:
-        compiled = _in_proj_conv_kernel.device_caches[torch.cuda.current_device()][0].values()
-        assert any("prefetch.global.L2" in k.asm["ptx"] for k in compiled)
+        assert any("prefetch.global.L2" in ptx for ptx in compiled_ptx(_in_proj_conv_kernel))
     with pytest.raises(ValueError, match="stride 1"):
         in_proj_conv_ref(c["hidden"], c["weight"], c["bias"], c["conv_state"].clone(), c["conv_weight"],
                          c["conv_bias"], state_indices=c["slot"], conv_start=d_inner, prefetch=L2Rows(w_out.t(), 128))

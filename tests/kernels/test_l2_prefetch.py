@@ -1,5 +1,6 @@
 """The L2 prefetch hint's bookkeeping (kernels/l2_prefetch.py, l2_prefetch_triton.py); what the hint
-does to a kernel's outputs (nothing) is tested with its kernel (test_pending_norm.py)."""
+does to a kernel's outputs (nothing) is tested with its kernel (test_pending_norm.py,
+test_in_proj_conv.py)."""
 
 from __future__ import annotations
 

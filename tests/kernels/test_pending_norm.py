@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_oracles import gen
+from kernel_oracles import compiled_ptx, gen
 from torch import Tensor
 
 from pd_ssm.kernels.in_proj_conv_triton import DOT_CONV_MAX_ROWS, fusable, in_proj_conv_triton
@@ -155,8 +155,7 @@ def test_out_proj_add_asking_l2_for_the_next_weight_changes_nothing(shape: tuple
         assert torch.equal(new_b, new_a) and torch.equal(p_b.x, p_a.x) and torch.equal(p_b.ss, p_a.ss)
     if CUDA:
         asking = _out_proj_add_kernel if rows == 1 else _skinny_dot_kernel
-        compiled = asking.device_caches[torch.cuda.current_device()][0].values()
-        assert any("prefetch.global.L2" in k.asm["ptx"] for k in compiled)
+        assert any("prefetch.global.L2" in ptx for ptx in compiled_ptx(asking))
 
 
 def test_a_bad_l2_hint_refused() -> None:
