@@ -7,8 +7,11 @@ same run (device copy bandwidth, bf16 matmul rate), and the ratio to mamba_ssm's
 eager launches (as the engine runs them), and the SSD scan a second time inside a CUDA graph
 (`ssd [graph]`: device time alone; an eager call of up to ~8192 tokens is bound by its host time,
 mamba_ssm's ~0.5 ms most of all, so the eager ratio there follows the host's speed); the decode
-kernels (state update, conv update) inside a CUDA graph of 32 calls, as the engine's decode step
-runs them, for ours and the baseline alike.  Inputs are random, never zeros,
+kernels (state update, conv update, paged attention) inside a CUDA graph of 32 calls, as the
+engine's decode step runs them, for ours and the baseline alike.  The hybrid layers' attention
+kernels run at a Bamba-9B layer's shape beside torch SDPA on a dense causal sequence (mamba_ssm has
+no attention kernel; the prefill row is where SDPA would be the choice if it were faster).
+Inputs are random, never zeros,
 and small cases rotate through several input sets larger than L2 so the cache is not measured.
 """
 
@@ -27,6 +30,8 @@ import torch
 NH, HD, DS, NG, CHUNK, WIDTH = 80, 64, 128, 1, 256, 4
 D_INNER = NH * HD
 CONV_DIM = D_INNER + 2 * NG * DS
+# the attention layers of a hybrid model (Bamba-9B's): GQA, KV pages of 16 tokens
+ATT_HEADS, ATT_KV_HEADS, ATT_HEAD_DIM, ATT_BLOCK = 32, 8, 128, 16
 L2_BYTES = 60 << 20
 
 
@@ -212,14 +217,98 @@ def bench_conv_update(k: Any, dev: torch.device, batch: int) -> tuple[float, Non
     return ms, None, nbytes, 2.0 * batch * CONV_DIM * WIDTH
 
 
-def bench_gated_norm(k: Any, dev: torch.device, T: int) -> tuple[float, None, int, float]:
+def bench_gated_norm(k: Any, dev: torch.device, T: int, groups: int = NG) -> tuple[float, None, int, float]:
     g = torch.Generator(device=dev).manual_seed(3)
     n = _sets(T * D_INNER * 2 * 3)
     xs = [torch.randn(T, D_INNER, device=dev, generator=g).bfloat16() for _ in range(n)]
     z = torch.randn(T, D_INNER, device=dev, generator=g).bfloat16()
     w = torch.rand(D_INNER, device=dev, generator=g).bfloat16()
-    ms = _bench(lambda i: k.rms_norm_gated(xs[i], z, w, 1e-5, D_INNER // NG), n)
+    ms = _bench(lambda i: k.rms_norm_gated(xs[i], z, w, 1e-5, D_INNER // groups), n)
     return ms, None, 3 * T * D_INNER * 2, 6.0 * T * D_INNER
+
+
+def bench_conv_varlen(k: Any, dev: torch.device, lens: list[int], init: bool) -> tuple[float, None, int, float]:
+    """The prefill conv over a varlen batch, each sequence from its slot's history (`init`) or zeros."""
+    g = torch.Generator(device=dev).manual_seed(4)
+    T, S = sum(lens), len(lens)
+    n = _sets(T * CONV_DIM * 2 * 2)
+    xs = [torch.randn(T, CONV_DIM, device=dev, generator=g).bfloat16() for _ in range(n)]
+    w = torch.randn(CONV_DIM, WIDTH, device=dev, generator=g).bfloat16()
+    b = torch.randn(CONV_DIM, device=dev, generator=g).bfloat16()
+    pool = torch.randn(2 * S, CONV_DIM, WIDTH - 1, device=dev, generator=g).bfloat16()
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    idx = torch.randperm(2 * S, device=dev, generator=g)[:S].to(torch.int32)
+    has = torch.full((S,), init, dtype=torch.bool, device=dev)
+    ms = _bench(lambda i: k.causal_conv1d_varlen(xs[i], w, b, pool, cu_seqlens=cu, state_indices=idx,
+                                                 has_initial_state=has), n)
+    nbytes = T * CONV_DIM * 2 * 2 + S * CONV_DIM * (WIDTH - 1) * 2 * (2 if init else 1)
+    return ms, None, nbytes, 2.0 * T * CONV_DIM * WIDTH
+
+
+def _paged_kv(dev: torch.device, g: torch.Generator, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K and V caches holding `lens` tokens a sequence in shuffled blocks, and the block tables."""
+    per_seq = [math.ceil(n / ATT_BLOCK) for n in lens]
+    blocks = sum(per_seq)
+    k_cache = torch.randn(blocks, ATT_BLOCK, ATT_KV_HEADS, ATT_HEAD_DIM, device=dev, generator=g).bfloat16()
+    v_cache = torch.randn(blocks, ATT_BLOCK, ATT_KV_HEADS, ATT_HEAD_DIM, device=dev, generator=g).bfloat16()
+    order = torch.randperm(blocks, device=dev, generator=g).to(torch.int32)
+    tables = torch.zeros(len(lens), max(per_seq), dtype=torch.int32, device=dev)
+    at = 0
+    for s, nb in enumerate(per_seq):
+        tables[s, :nb] = order[at:at + nb]
+        at += nb
+    return k_cache, v_cache, tables
+
+
+def bench_decode_attention(k: Any, dev: torch.device, batch: int, ctx: int) -> tuple[float, None, int, float]:
+    """One new token a sequence against `ctx` tokens of paged context (a hybrid model's attention
+    layer: 32 query heads on 8 KV heads of 128), inside a CUDA graph as the decode step runs it."""
+    g = torch.Generator(device=dev).manual_seed(5)
+    nbytes = 2 * batch * ctx * ATT_KV_HEADS * ATT_HEAD_DIM * 2 + 2 * batch * ATT_HEADS * ATT_HEAD_DIM * 2
+    sets = [_paged_kv(dev, g, [ctx] * batch) for _ in range(_sets(nbytes))]
+    q = torch.randn(batch, ATT_HEADS, ATT_HEAD_DIM, device=dev, generator=g).bfloat16()
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    scale = ATT_HEAD_DIM ** -0.5
+    ms = _bench_graph(lambda i: k.paged_decode_attention(q, sets[i][0], sets[i][1], seq_lens=lens,
+                                                         block_tables=sets[i][2], scale=scale), len(sets))
+    return ms, None, nbytes, 4.0 * batch * ATT_HEADS * ctx * ATT_HEAD_DIM
+
+
+def _causal_keys(q_lens: list[int], ctx: list[int]) -> int:
+    """Query-key pairs of causal attention: query i of a chunk after c tokens sees c + i + 1 keys."""
+    return sum(n * c + n * (n + 1) // 2 for n, c in zip(q_lens, ctx, strict=True))
+
+
+def bench_prefill_attention(k: Any, dev: torch.device, q_lens: list[int],
+                            ctx: list[int]) -> tuple[float, None, int, float]:
+    """Causal attention of prefill chunks of `q_lens` tokens after `ctx` tokens of paged context."""
+    g = torch.Generator(device=dev).manual_seed(6)
+    T, seq_lens = sum(q_lens), [c + n for n, c in zip(q_lens, ctx, strict=True)]
+    nbytes = 2 * T * ATT_HEADS * ATT_HEAD_DIM * 2 + 2 * sum(seq_lens) * ATT_KV_HEADS * ATT_HEAD_DIM * 2
+    n = _sets(nbytes)
+    sets = [_paged_kv(dev, g, seq_lens) for _ in range(n)]
+    qs = [torch.randn(T, ATT_HEADS, ATT_HEAD_DIM, device=dev, generator=g).bfloat16() for _ in range(n)]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+    scale = ATT_HEAD_DIM ** -0.5
+    ms = _bench(lambda i: k.varlen_prefill_attention(qs[i], sets[i][0], sets[i][1], cu_seqlens_q=cu, seq_lens=lens,
+                                                     block_tables=sets[i][2], scale=scale), n)
+    return ms, None, nbytes, 4.0 * ATT_HEADS * ATT_HEAD_DIM * _causal_keys(q_lens, ctx)
+
+
+def bench_sdpa_prefill(dev: torch.device, T: int) -> tuple[float, None, int, float]:
+    """torch's SDPA on one dense causal sequence with no context (its flash path, the case most in its
+    favour): the reference for `bench_prefill_attention`'s 1 x T row."""
+    g = torch.Generator(device=dev).manual_seed(7)
+    nbytes = 2 * T * ATT_HEADS * ATT_HEAD_DIM * 2 + 2 * T * ATT_KV_HEADS * ATT_HEAD_DIM * 2
+    n = _sets(nbytes)
+    qs = [torch.randn(1, ATT_HEADS, T, ATT_HEAD_DIM, device=dev, generator=g).bfloat16() for _ in range(n)]
+    # NOTE: K and V repeated to the query heads beforehand (untimed): flash takes no GQA
+    kvs = [torch.randn(2, 1, ATT_KV_HEADS, T, ATT_HEAD_DIM, device=dev, generator=g).bfloat16()
+           .repeat_interleave(ATT_HEADS // ATT_KV_HEADS, dim=2) for _ in range(n)]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    ms = _bench(lambda i: sdpa(qs[i], kvs[i][0], kvs[i][1], is_causal=True), n)
+    return ms, None, nbytes, 4.0 * ATT_HEADS * ATT_HEAD_DIM * _causal_keys([T], [0])
 
 
 def _baseline_note(kernel: str, importable: bool, base_ms: float | None) -> str:
@@ -253,6 +342,16 @@ def run(json_path: str | None = None) -> list[Row]:
     for b in (1, 256):
         cases.append(("causal_conv1d_update [graph]", f"batch {b}", functools.partial(bench_conv_update, k, dev, b)))
     cases.append(("rms_norm_gated", "2048 tokens", lambda: bench_gated_norm(k, dev, 2048)))
+    cases.append(("rms_norm_gated", "2048 tokens, 8 groups", lambda: bench_gated_norm(k, dev, 2048, 8)))
+    for shape, lens, init in (("1x2048", [2048], False), ("16x1024 init", [1024] * 16, True)):
+        cases.append(("causal_conv1d_varlen", shape, functools.partial(bench_conv_varlen, k, dev, lens, init)))
+    for b in (1, 64):
+        cases.append(("paged_decode_attention [graph]", f"batch {b}, ctx 4096",
+                      functools.partial(bench_decode_attention, k, dev, b, 4096)))
+    for shape, q_lens, ctx in (("1x2048", [2048], [0]), ("4x512 after 1536", [512] * 4, [1536] * 4)):
+        cases.append(("varlen_prefill_attention", shape,
+                      functools.partial(bench_prefill_attention, k, dev, q_lens, ctx)))
+    cases.append(("torch SDPA (dense, flash)", "1x2048", lambda: bench_sdpa_prefill(dev, 2048)))
     rows: list[Row] = []
     for name, shape, fn in cases:
         ms, base_ms, nbytes, flops = fn()

@@ -34,3 +34,31 @@ def test_ssd_rows_time_ours_and_the_baseline(graph: bool) -> None:
     ms, base_ms, nbytes, flops = bench_ssd(get_kernels("triton", dev), base, dev, [2048], [0], graph=graph)
     assert 0 < ms < 50 and nbytes > 0 and flops > 0
     assert (base_ms is None) == (base is None) or (graph and base_ms is None)  # captured, or reported as not
+
+
+@needs_cuda
+def test_conv_and_attention_rows_time_the_kernels() -> None:
+    from pd_ssm.bench.kernels import (
+        bench_conv_varlen,
+        bench_decode_attention,
+        bench_gated_norm,
+        bench_prefill_attention,
+        bench_sdpa_prefill,
+    )
+    from pd_ssm.kernels.dispatch import get_kernels
+
+    dev = torch.device("cuda")
+    k = get_kernels("triton", dev)
+    for ms, base_ms, nbytes, flops in (
+        bench_conv_varlen(k, dev, [300, 17], init=True), bench_decode_attention(k, dev, 2, 100),
+        bench_prefill_attention(k, dev, [40, 7], [0, 33]), bench_sdpa_prefill(dev, 64),
+        bench_gated_norm(k, dev, 64, groups=8),
+    ):
+        assert 0 < ms < 50 and base_ms is None and nbytes > 0 and flops > 0
+
+
+def test_causal_pairs_count_every_query_key_pair() -> None:
+    from pd_ssm.bench.kernels import _causal_keys
+
+    # one chunk of 3 after 2 tokens of context: queries see 3, 4, 5 keys; a chunk of 2 alone: 1, 2
+    assert _causal_keys([3, 2], [2, 0]) == 3 + 4 + 5 + 1 + 2

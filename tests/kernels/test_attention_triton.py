@@ -20,7 +20,11 @@ from pd_ssm.kernels.attention import (
     write_kv_cache_ref,
 )
 from pd_ssm.kernels.attention_decode_triton import DecodeConfig, launch_decode, paged_decode_attention_triton
-from pd_ssm.kernels.attention_prefill_triton import varlen_prefill_attention_triton
+from pd_ssm.kernels.attention_prefill_triton import (
+    PrefillConfig,
+    launch_prefill,
+    varlen_prefill_attention_triton,
+)
 from pd_ssm.kernels.kv_write_triton import write_kv_cache_triton
 
 CUDA = torch.cuda.is_available()
@@ -145,6 +149,39 @@ def test_prefill_with_context_matches_ref(dtype: torch.dtype, heads: int, kv_hea
     out = run_prefill(varlen_prefill_attention_triton, q, kc, vc, q_lens, seq_lens, tables, scale)
     ref = run_prefill(varlen_prefill_attention_ref, q, kc, vc, q_lens, seq_lens, tables, scale)
     assert out.dtype == dtype and out.shape == (T, heads, HEAD_DIM)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
+
+
+# tiles the GPU sweep tried (benchmarks/attention_prefill_gpu.py; fp32 holds its tiles in registers:
+# only small ones fit); on CPU small ones, so that query tiles sit past whole key
+# tiles of context (the loop's unmasked part) and straddle them
+PREFILL_TILES = ([(torch.bfloat16, PrefillConfig(True, 64, 64, 4, 2)),
+                  (torch.bfloat16, PrefillConfig(True, 128, 128, 8, 2)),
+                  (torch.bfloat16, PrefillConfig(True, 256, 64, 8, 2)),
+                  (torch.float32, PrefillConfig(False, 32, 32, 8, 2))] if CUDA
+                 else [(dtype, PrefillConfig(dtype == torch.bfloat16, m, n, 4, 2))
+                       for dtype in (torch.float32, torch.bfloat16) for m, n in ((16, 8), (8, 16))])
+
+
+@pytest.mark.parametrize("dtype,cfg", PREFILL_TILES)
+def test_prefill_tiles_past_and_across_the_diagonal(dtype: torch.dtype, cfg: PrefillConfig) -> None:
+    """Long contexts before short and long chunks: key tiles every query of a tile sees (no masks),
+    then the diagonal; query tiles of one token, of a partial tile, and many."""
+    g = gen(6)
+    if CUDA:
+        q_lens, contexts, max_blocks = [1, 300, 70, 129], [0, 200, 513, 64], 40
+    else:
+        q_lens, contexts, max_blocks = [1, 37, 9, 20], [0, 50, 3, 64], 24
+    seq_lens = [c + n for c, n in zip(contexts, q_lens, strict=True)]
+    S, T, heads, kv_heads = len(q_lens), sum(q_lens), 4, 2
+    num_blocks = S * max_blocks + 2
+    kc, vc = caches(g, num_blocks, kv_heads, dtype)
+    tables = block_tables(g, S, max_blocks, num_blocks)
+    q = torch.randn(T, heads, HEAD_DIM, generator=g).to(dtype).to(DEV)
+    scale = HEAD_DIM**-0.5
+    out = launch_prefill(q, kc, vc, i32(cu_of(q_lens)).to(DEV), i32(seq_lens).to(DEV), tables, scale, cfg)
+    ref = run_prefill(varlen_prefill_attention_ref, q, kc, vc, q_lens, seq_lens, tables, scale)
     rtol, atol = TOL[dtype]
     torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
 
