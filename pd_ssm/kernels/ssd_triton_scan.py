@@ -38,9 +38,9 @@ def _scan_state_part(C_m, h, k, nheads, headdim, dstate, starts_ptr, cs_m, offs_
 
 
 @triton.jit
-def _scan_head_start(C_m, h, k, nheads, headdim, dstate, cs_buf_ptr, buf, starts_ptr, x_base, offs_m, offs_p,
-                     offs_n, mm, mp, mn, stride_x_t, CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+def _scan_head_start(C_m, h, k, nheads, headdim, dstate, cs_buf_ptr, buf, starts_ptr, offs_m, offs_p, offs_n, mp,
+                     mn, CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     INTERPRETED: tl.constexpr):
     """One head's rows: the entering state's contribution C·state·e^{cs}, and their cs."""
     cs_m = tl.load(cs_buf_ptr + buf + offs_m, mask=offs_m < CHUNK, other=0.0)
     acc = _scan_state_part(C_m, h, k, nheads, headdim, dstate, starts_ptr, cs_m, offs_p, offs_n, mp, mn, DOT_DTYPE,
@@ -178,26 +178,22 @@ def _ssd_chunk_scan_kernel(
             cs0 = tl.load(cs_buf_ptr + buf0 + offs_m, mask=offs_m < CHUNK, other=0.0)
             acc0 = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
         else:
-            acc0, cs0 = _scan_head_start(C_m, h0, k, nheads, headdim, dstate, cs_buf_ptr, buf0, starts_ptr, xb0,
-                                         offs_m, offs_p, offs_n, mm, mp, mn, stride_x_t, CHUNK, DOT_DTYPE,
-                                         DOT_PRECISION, INTERPRETED)
+            acc0, cs0 = _scan_head_start(C_m, h0, k, nheads, headdim, dstate, cs_buf_ptr, buf0, starts_ptr, offs_m,
+                                         offs_p, offs_n, mp, mn, CHUNK, DOT_DTYPE, DOT_PRECISION, INTERPRETED)
         if HEADS >= 2:
             buf1 = buf0 + K_max * CHUNK
             xb1 = xb0 + stride_x_h
             acc1, cs1 = _scan_head_start(C_m, h0 + 1, k, nheads, headdim, dstate, cs_buf_ptr, buf1, starts_ptr,
-                                              xb1, offs_m, offs_p, offs_n, mm, mp, mn, stride_x_t, CHUNK, DOT_DTYPE,
-                                              DOT_PRECISION, INTERPRETED)
+                                         offs_m, offs_p, offs_n, mp, mn, CHUNK, DOT_DTYPE, DOT_PRECISION, INTERPRETED)
         if HEADS >= 4:
             buf2 = buf0 + 2 * K_max * CHUNK
             buf3 = buf0 + 3 * K_max * CHUNK
             xb2 = xb0 + 2 * stride_x_h
             xb3 = xb0 + 3 * stride_x_h
             acc2, cs2 = _scan_head_start(C_m, h0 + 2, k, nheads, headdim, dstate, cs_buf_ptr, buf2, starts_ptr,
-                                              xb2, offs_m, offs_p, offs_n, mm, mp, mn, stride_x_t, CHUNK, DOT_DTYPE,
-                                              DOT_PRECISION, INTERPRETED)
+                                         offs_m, offs_p, offs_n, mp, mn, CHUNK, DOT_DTYPE, DOT_PRECISION, INTERPRETED)
             acc3, cs3 = _scan_head_start(C_m, h0 + 3, k, nheads, headdim, dstate, cs_buf_ptr, buf3, starts_ptr,
-                                              xb3, offs_m, offs_p, offs_n, mm, mp, mn, stride_x_t, CHUNK, DOT_DTYPE,
-                                              DOT_PRECISION, INTERPRETED)
+                                         offs_m, offs_p, offs_n, mp, mn, CHUNK, DOT_DTYPE, DOT_PRECISION, INTERPRETED)
 
         # causal part inside the chunk: y_l += sum_{s<=l} (C_l . B_s) exp(cs_l - cs_s) dt'_s x_s
         end = tl.minimum((mb + 1) * BLOCK_M, L)
