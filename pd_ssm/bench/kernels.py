@@ -9,8 +9,9 @@ eager launches (as the engine runs them), and the SSD scan a second time inside 
 mamba_ssm's ~0.5 ms most of all, so the eager ratio there follows the host's speed); the decode
 kernels (state update, conv update, paged attention) inside a CUDA graph of 32 calls, as the
 engine's decode step runs them, for ours and the baseline alike.  The hybrid layers' attention
-kernels run at a Bamba-9B layer's shape beside torch SDPA on a dense causal sequence (mamba_ssm has
-no attention kernel; the prefill row is where SDPA would be the choice if it were faster).
+kernels run at a Bamba-9B layer's shape (mamba_ssm has no attention kernel), beside torch SDPA on one
+dense fresh causal sequence: the one case SDPA could take over from the paged prefill kernel (it is
+faster there; benchmarks/NOTES_small_kernels.md says why the engine does not route to it).
 Inputs are random, never zeros,
 and small cases rotate through several input sets larger than L2 so the cache is not measured.
 """
