@@ -18,14 +18,20 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Callable
 
 import torch
-import triton.testing
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pd_ssm.bench.kernels import ATT_HEAD_DIM, ATT_HEADS, ATT_KV_HEADS, _causal_keys, _paged_kv  # noqa: E402
+from pd_ssm.bench.kernels import (  # noqa: E402
+    ATT_HEAD_DIM,
+    ATT_HEADS,
+    ATT_KV_HEADS,
+    _bench,
+    _causal_keys,
+    _offsets,
+    _paged_kv,
+)
 from pd_ssm.kernels.attention_prefill_triton import (  # noqa: E402
     PrefillConfig,
     default_prefill_config,
@@ -50,17 +56,6 @@ def dense_kv(k_cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor
     return kv.transpose(0, 1)[None].repeat_interleave(ATT_HEADS // ATT_KV_HEADS, dim=1)
 
 
-def rotated(fn: Callable[[int], object], n: int) -> float:
-    """Median ms of fn(0), fn(1), ... fn(n - 1), fn(0), ...: input sets in turn."""
-    i = [0]
-
-    def call() -> None:
-        fn(i[0] % n)
-        i[0] += 1
-
-    return float(triton.testing.do_bench(call, warmup=25, rep=200, return_mode="median"))
-
-
 def run_case(q_lens: list[int], ctx: list[int], g: torch.Generator) -> tuple[dict[str, object], bool]:
     """Every tile (and SDPA where the case is one fresh sequence) on one case: its row and whether all
     outputs are within tolerance."""
@@ -69,7 +64,7 @@ def run_case(q_lens: list[int], ctx: list[int], g: torch.Generator) -> tuple[dic
     flops = 4.0 * ATT_HEADS * ATT_HEAD_DIM * _causal_keys(q_lens, ctx)
     sets = [_paged_kv(DEV, g, seq_lens) for _ in range(3)]
     qs = [torch.randn(T, ATT_HEADS, ATT_HEAD_DIM, device=DEV, generator=g).bfloat16() for _ in range(3)]
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    cu = _offsets(q_lens, DEV)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
 
     def ours(cfg: PrefillConfig, k: int) -> torch.Tensor:
@@ -91,7 +86,7 @@ def run_case(q_lens: list[int], ctx: list[int], g: torch.Generator) -> tuple[dic
         cfg = PrefillConfig(use_dot=True, block_m=bm, block_n=bn, num_warps=w, num_stages=st)
         try:
             o = ours(cfg, 0)
-            ms = rotated(functools.partial(ours, cfg), 3)
+            ms = _bench(functools.partial(ours, cfg), 3)
         except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is reported
             row[name] = dict(error=repr(e)[:200])
             print(name, row[name], flush=True)
@@ -106,7 +101,7 @@ def run_case(q_lens: list[int], ctx: list[int], g: torch.Generator) -> tuple[dic
         dense = [(q.transpose(0, 1)[None], dense_kv(k, t[0], T).contiguous(), dense_kv(v, t[0], T).contiguous())
                  for q, (k, v, t) in zip(qs, sets, strict=True)]
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        ms = rotated(lambda k: sdpa(*dense[k], is_causal=True), 3)
+        ms = _bench(lambda k: sdpa(*dense[k], is_causal=True), 3)
         row["torch SDPA dense"] = dict(ms=ms, tflops=flops / ms / 1e9)
         print("torch SDPA dense", row["torch SDPA dense"], flush=True)
     return row, ok

@@ -95,6 +95,11 @@ def measure_ceilings(dev: torch.device) -> tuple[float, float]:
     return copy, 2 * 8192**3 / ms / 1e9
 
 
+def _offsets(lens: list[int], dev: torch.device) -> torch.Tensor:
+    """cu_seqlens of sequences of these lengths: [S + 1] int32, from 0."""
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+
+
 def _sets(nbytes_one: int) -> int:
     return max(1, min(8, math.ceil(3 * L2_BYTES / max(nbytes_one, 1))))
 
@@ -127,7 +132,7 @@ def bench_ssd(k: Any, base: Any, dev: torch.device, lens: list[int], ctx: list[i
     D = torch.rand(NH, device=dev, generator=g)
     dt_bias = torch.rand(NH, device=dev, generator=g) - 3
     pool = torch.randn(S + 1, NH, HD, DS, device=dev, generator=g)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    cu = _offsets(lens, dev)
     cl = torch.tensor(ctx, dtype=torch.int32, device=dev)
     idx = torch.arange(S, dtype=torch.int32, device=dev)
     has = cl > 0
@@ -237,7 +242,7 @@ def bench_conv_varlen(k: Any, dev: torch.device, lens: list[int], init: bool) ->
     w = torch.randn(CONV_DIM, WIDTH, device=dev, generator=g).bfloat16()
     b = torch.randn(CONV_DIM, device=dev, generator=g).bfloat16()
     pool = torch.randn(2 * S, CONV_DIM, WIDTH - 1, device=dev, generator=g).bfloat16()
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    cu = _offsets(lens, dev)
     idx = torch.randperm(2 * S, device=dev, generator=g)[:S].to(torch.int32)
     has = torch.full((S,), init, dtype=torch.bool, device=dev)
     ms = _bench(lambda i: k.causal_conv1d_varlen(xs[i], w, b, pool, cu_seqlens=cu, state_indices=idx,
@@ -289,7 +294,7 @@ def bench_prefill_attention(k: Any, dev: torch.device, q_lens: list[int],
     n = _sets(nbytes)
     sets = [_paged_kv(dev, g, seq_lens) for _ in range(n)]
     qs = [torch.randn(T, ATT_HEADS, ATT_HEAD_DIM, device=dev, generator=g).bfloat16() for _ in range(n)]
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    cu = _offsets(q_lens, dev)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
     scale = ATT_HEAD_DIM ** -0.5
     ms = _bench(lambda i: k.varlen_prefill_attention(qs[i], sets[i][0], sets[i][1], cu_seqlens_q=cu, seq_lens=lens,
