@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pd_ssm import LLM  # noqa: E402
-from pd_ssm.bench.engine import MAMBA2_2_7B  # noqa: E402
+from pd_ssm.bench.shapes import MAMBA2_2_7B  # noqa: E402
 from pd_ssm.engine.prefill_graphs import PrefillGraphs, VarlenRows  # noqa: E402
 
 TOKENS = 2048

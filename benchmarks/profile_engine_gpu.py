@@ -1,9 +1,9 @@
 """Where a whole-model step spends its time on the GPU: per-kernel CUDA time of one prefill step and
-of eager decode steps (torch.profiler), beside the step's wall time, for the Mamba2-2.7B shape with
-dummy weights.  Eager decode shows each kernel's own duration; the graph replay time of the same
+of eager decode steps (torch.profiler), beside the step's wall time, for a real shape (bench/shapes.py,
+Mamba2-2.7B by default) with dummy weights.  Eager decode shows each kernel's own duration; the graph replay time of the same
 batch (from `pd-ssm bench engine`) minus their sum is what the graph's node gaps cost.
 
-    python benchmarks/profile_engine_gpu.py [--out DIR]     (CUDA only; writes profile.json, .txt)
+    python benchmarks/profile_engine_gpu.py [--out DIR] [--shape NAME] [--context N]     (CUDA only; writes profile.json, .txt)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pd_ssm.bench.engine import MAMBA2_2_7B
+from pd_ssm.bench.shapes import MAMBA2_2_7B, SHAPES
 from pd_ssm.config import CacheConfig, EngineConfig, SchedulerConfig
 from pd_ssm.engine.engine import Engine
 from pd_ssm.sampling_params import SamplingParams
@@ -41,11 +41,12 @@ def kernel_table(prof: Any, steps: int) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
-def eager_engine_2_7b(max_num_seqs: int, *, enforce_eager: bool = True) -> Engine:
-    """A CUDA engine of the Mamba2-2.7B shape: dummy bf16 weights, fp32 state, 2048-token steps;
-    eager unless enforce_eager is False (decode steps then replay CUDA graphs)."""
+def eager_engine_2_7b(max_num_seqs: int, *, enforce_eager: bool = True,
+                      shape: dict[str, Any] = MAMBA2_2_7B) -> Engine:
+    """A CUDA engine of the Mamba2-2.7B shape (or `shape`): dummy bf16 weights, fp32 state,
+    2048-token steps; eager unless enforce_eager is False (decode steps then replay CUDA graphs)."""
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(MAMBA2_2_7B))
+        (Path(tmp) / "config.json").write_text(json.dumps(shape))
         return Engine(EngineConfig(
             model=tmp, device="cuda", dtype="bfloat16", load_format="dummy", enforce_eager=enforce_eager,
             cache=CacheConfig(mamba_ssm_cache_dtype="float32"),  # type: ignore[arg-type]
@@ -57,10 +58,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (decode kernels profiled one by one)")
+    ap.add_argument("--shape", default="mamba2-2.7b", choices=list(SHAPES))
+    ap.add_argument("--context", type=int, default=16, help="prompt tokens of each decode request")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    engine = eager_engine_2_7b(max_num_seqs=128)
+    engine = eager_engine_2_7b(max_num_seqs=128, shape=SHAPES[args.shape])
     gen = torch.Generator().manual_seed(0)
     vocab = engine.model_config.vocab_size
     report: dict[str, Any] = {}
@@ -91,8 +94,11 @@ def main() -> None:
     lines += [f"  {r['us_per_step']:9.1f} us  x{r['launches_per_step']:5.0f}  {r['kernel']}" for r in rows[:25]]
 
     for batch in (1, 32, 128):
-        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-        ids = [engine.add_request(prompt(16), params).req_id for _ in range(batch)]
+        # the first prompts decode while later ones prefill: none may finish before the profiled steps
+        params = SamplingParams(temperature=0, max_tokens=30 + batch * args.context // (2048 - batch) + 2, ignore_eos=True)
+        ids = [engine.add_request(prompt(args.context), params).req_id for _ in range(batch)]
+        while engine.scheduler.num_waiting or engine.scheduler.prefill is not None and engine.scheduler.prefill.prefilling:
+            engine.step()  # the prompts' prefills (several steps when the context is long)
         for _ in range(6):
             engine.step()
         walls = []

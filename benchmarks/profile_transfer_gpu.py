@@ -67,7 +67,7 @@ def nccl() -> None:
 
 def stream() -> None:
     from pd_ssm import LLM, SamplingParams
-    from pd_ssm.bench.engine import MAMBA2_2_7B
+    from pd_ssm.bench.shapes import MAMBA2_2_7B
     from pd_ssm.bench.transfer_stream import _TimedSink
     from pd_ssm.engine.layer_export import LayerExporter
     from pd_ssm.state_transfer.connector_sink import ConnectorSink

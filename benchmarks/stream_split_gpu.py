@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pd_ssm.bench.engine import MAMBA2_2_7B  # noqa: E402
+from pd_ssm.bench.shapes import MAMBA2_2_7B  # noqa: E402
 from pd_ssm.bench.transfer_stream import _engine, _Peer, _sender, _stream_receiver, _TimedSink  # noqa: E402
 from pd_ssm.engine.layer_export import LayerExporter  # noqa: E402
 from pd_ssm.engine.prefill_graphs import PrefillGraphs  # noqa: E402

@@ -84,7 +84,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _add_bench_engine(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser("engine", help="whole-model prefill and decode steps against their roofline floors (CUDA)")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: Mamba2-2.7B shape, dummy weights)")
+    from pd_ssm.bench.shapes import DEFAULT_SHAPE, SHAPES
+
+    p.add_argument("--model", default=None, help="checkpoint directory (default: --shape, dummy weights)")
+    p.add_argument("--shape", default=None, choices=list(SHAPES),
+                   help=f"a real model's shape with dummy weights, no download (default: {DEFAULT_SHAPE})")
     p.add_argument("--load-format", default=None, choices=["auto", "safetensors", "dummy"],
                    help="default: dummy without --model, auto with it")
     p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"])
@@ -94,6 +98,8 @@ def _add_bench_engine(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-runs", type=int, default=7)
     p.add_argument("--batch-sizes", default="1,32,128", help="decode batch sizes, comma-separated")
     p.add_argument("--decode-steps", type=int, default=60, help="timed decode steps per batch size")
+    p.add_argument("--decode-context", type=int, default=16,
+                   help="prompt tokens of each decode request (hybrids: the KV their attention reads)")
     p.add_argument("--warmup-steps", type=int, default=8)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs")
@@ -161,12 +167,16 @@ def _bench_engine(args: argparse.Namespace) -> int:
     import json
 
     from pd_ssm.bench.engine import BenchError, EngineBenchOptions, format_table, run_engine_bench
+    from pd_ssm.bench.shapes import DEFAULT_SHAPE
 
+    if args.model is not None and args.shape is not None:
+        print("pd-ssm: error: --model and --shape are two models; give one", file=sys.stderr)
+        return 2
     opts = EngineBenchOptions(
-        model=args.model, load_format=args.load_format, kernel_backend=args.kernel_backend, dtype=args.dtype,
+        model=args.model, shape=args.shape or DEFAULT_SHAPE, load_format=args.load_format, kernel_backend=args.kernel_backend, dtype=args.dtype,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, prefill_tokens=args.prefill_tokens,
         prefill_runs=args.prefill_runs, batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
-        decode_steps=args.decode_steps, warmup_steps=args.warmup_steps,
+        decode_steps=args.decode_steps, decode_context=args.decode_context, warmup_steps=args.warmup_steps,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
     )

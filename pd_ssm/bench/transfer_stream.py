@@ -88,7 +88,7 @@ def stream_overlap(model: str | None, device: str, tokens: int, repeats: int, ti
         raise ValueError(f"bench stream: connector must be zmq or nccl, got {connector!r}")
     if model is not None or device != "cuda":
         return _measure(model, device, tokens, repeats, timeout, connector, dummy=False)
-    from pd_ssm.bench.engine import MAMBA2_2_7B
+    from pd_ssm.bench.shapes import MAMBA2_2_7B
 
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(MAMBA2_2_7B))

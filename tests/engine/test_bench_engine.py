@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pd_ssm.bench.engine import MAMBA2_2_7B, BenchRow, format_table
+from pd_ssm.bench.engine import BenchRow, format_table
+from pd_ssm.bench.shapes import MAMBA2_2_7B, SHAPES
 from pd_ssm.bench.roofline import ModelBytes, decode_floor_bytes, model_bytes, prefill_floor
 from pd_ssm.config import CacheConfig, ModelConfig
-from pd_ssm.engine.memory_plan import state_slot_bytes
+from pd_ssm.engine.memory_plan import kv_block_bytes, state_slot_bytes
 from pd_ssm.kernels.dispatch import get_kernels
 from pd_ssm.models.loader import build_model, load_model
 
@@ -44,6 +45,26 @@ def test_2_7b_shape_and_floors() -> None:
     assert kind == "matmul" and 0.014 < seconds < 0.016  # 2 x 2048 x 2.57 G / 700 TFLOP/s
 
 
+# parameter counts the model cards publish: Bamba-9B "9.78B", Nemotron-H-8B-Base-8K 8,100,852,736
+@pytest.mark.parametrize("name, params, kinds", [
+    ("bamba-9b", 9.78e9, {"mamba": 29, "attention": 3}),
+    ("nemotron-h-8b", 8_100_852_736, {"mamba": 24, "attention": 4, "mlp": 24}),
+])
+def test_hybrid_shapes(name: str, params: float, kinds: dict[str, int]) -> None:
+    mc = ModelConfig.from_hf_dict(SHAPES[name])
+    model = build_model(mc, device="meta", dtype=torch.bfloat16, kernels=get_kernels("torch", "cpu"))
+    count = sum(p.numel() for p in model.parameters())
+    assert abs(count - params) < 5e6
+    assert {k: mc.layer_kinds.count(k) for k in set(mc.layer_kinds)} == kinds
+    cc = CacheConfig()
+    mb = model_bytes(model, state_slot_bytes(mc, cc, torch.bfloat16), kv_block_bytes(mc, cc, torch.bfloat16) // cc.block_size)
+    # K and V of 8 heads of 128 in bf16, per attention layer
+    assert mb.kv_token == kinds["attention"] * 2 * 8 * 128 * 2
+    assert mb.untied_embedding == mc.vocab_size * 4096 * 2
+    # a decode step at batch 4 over 1000 tokens of context: the KV read and the 4 new tokens' KV written
+    assert decode_floor_bytes(mb, 4, 1000) - decode_floor_bytes(mb, 4) == 1000 * mb.kv_token
+
+
 def test_untied_embedding_counts_only_rows_read() -> None:
     mc = ModelConfig.from_hf_dict({**MAMBA2_2_7B, "num_hidden_layers": 2, "tie_word_embeddings": False})
     model = build_model(mc, device="meta", dtype=torch.bfloat16, kernels=get_kernels("torch", "cpu"))
@@ -62,6 +83,9 @@ def test_format_table() -> None:
                   copy_gbps=4280.0,
                   matmul_tflops=700.0, rows=[{f: getattr(r, f) for f in r.__slots__} for r in rows])
     text = format_table(json.loads(json.dumps(result)))
+    assert text.splitlines()[4].split()[-2:] == ["no", "eager"]
+    result["rows"][0].update(target="-", met=None)  # a model without TARGETS.md's prefill target
+    assert format_table(result).splitlines()[3].split()[-2:] == ["-", "-"]
     assert "copy 4280 GB/s" in text and "2.70 G params" in text and "async scheduling on" in text
     assert "1.32" in text and "yes" in text and "no" in text and "eager" in text
 
@@ -72,6 +96,17 @@ def test_bench_engine_on_cpu_is_one_clear_line() -> None:
                          timeout=120, env=dict(os.environ))
     assert out.returncode == 2
     assert "needs a CUDA device" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--model", "/nonexistent", "--shape", "bamba-9b"], "--model and --shape"),
+    (["--shape", "bamba-9b", "--decode-context", "0"], "decode_context must be >= 1"),
+])
+def test_bench_engine_refuses_bad_options_in_one_line(args: list[str], says: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "pd_ssm.cli", "bench", "engine", *args], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ))
+    assert out.returncode == 2
+    assert says in out.stderr and "Traceback" not in out.stderr
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pd_ssm import LLM
-from pd_ssm.bench.engine import MAMBA2_2_7B
+from pd_ssm.bench.shapes import MAMBA2_2_7B
 from pd_ssm.cache.pool import CachePool
 from pd_ssm.config import CacheConfig, EngineConfig, ModelConfig
 from pd_ssm.engine.memory_plan import (
