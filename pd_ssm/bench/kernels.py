@@ -233,6 +233,17 @@ def bench_gated_norm(k: Any, dev: torch.device, T: int, groups: int = NG) -> tup
     return ms, None, 3 * T * D_INNER * 2, 6.0 * T * D_INNER
 
 
+def bench_mlp_act(k: Any, dev: torch.device, T: int, width: int, act: str, gated: bool) -> tuple[float, None, int, float]:
+    """The FFN activation of a hybrid's MLP: act(gate) * up (Bamba-9B: silu, I 14336) or act(x)
+    (Nemotron-H-8B: relu2, 21504), bf16."""
+    g = torch.Generator(device=dev).manual_seed(6)
+    cols = (2 if gated else 1) * width
+    n = _sets(T * (cols + width) * 2)
+    xs = [torch.randn(T, cols, device=dev, generator=g).bfloat16() for _ in range(n)]
+    ms = _bench(lambda i: k.mlp_act(xs[i], act, gated=gated), n)
+    return ms, None, T * (cols + width) * 2, (6.0 if gated else 4.0) * T * width
+
+
 def bench_conv_varlen(k: Any, dev: torch.device, lens: list[int], init: bool) -> tuple[float, None, int, float]:
     """The prefill conv over a varlen batch, each sequence from its slot's history (`init`) or zeros."""
     g = torch.Generator(device=dev).manual_seed(4)
@@ -349,6 +360,11 @@ def run(json_path: str | None = None) -> list[Row]:
         cases.append(("causal_conv1d_update [graph]", f"batch {b}", functools.partial(bench_conv_update, k, dev, b)))
     cases.append(("rms_norm_gated", "2048 tokens", lambda: bench_gated_norm(k, dev, 2048)))
     cases.append(("rms_norm_gated", "2048 tokens, 8 groups", lambda: bench_gated_norm(k, dev, 2048, 8)))
+    for T in (32, 2048):
+        cases.append(("mlp_act silu gated", f"{T} tokens x 14336",
+                      functools.partial(bench_mlp_act, k, dev, T, 14336, "silu", True)))
+        cases.append(("mlp_act relu2", f"{T} tokens x 21504",
+                      functools.partial(bench_mlp_act, k, dev, T, 21504, "relu2", False)))
     for shape, lens, init in (("1x2048", [2048], False), ("16x1024 init", [1024] * 16, True)):
         cases.append(("causal_conv1d_varlen", shape, functools.partial(bench_conv_varlen, k, dev, lens, init)))
     for b in (1, 64):

@@ -30,6 +30,7 @@ from pd_ssm.kernels.attention import (
 from pd_ssm.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from pd_ssm.kernels.linear import linear_ref
 from pd_ssm.kernels.mixer_decode import in_proj_conv_ref, mamba2_decode_step_ref
+from pd_ssm.kernels.mlp_act import mlp_act_ref
 from pd_ssm.kernels.pending_norm import PendingNorm, out_proj_add_ref, pending_norm_ref
 from pd_ssm.kernels.rmsnorm import (
     AddNormOutput,
@@ -70,6 +71,7 @@ class Kernels:
     varlen_prefill_attention: Callable[..., Tensor]
     paged_decode_attention: Callable[..., Tensor]
     linear: Callable[..., Tensor]
+    mlp_act: Callable[..., Tensor]
     greedy_argmax: Callable[..., Tensor]
 
 
@@ -92,6 +94,7 @@ _TORCH_KERNELS: Mapping[str, Callable[..., Any]] = MappingProxyType({
     "varlen_prefill_attention": varlen_prefill_attention_ref,
     "paged_decode_attention": paged_decode_attention_ref,
     "linear": linear_ref,
+    "mlp_act": mlp_act_ref,
     "greedy_argmax": greedy_argmax_ref,
 })
 
@@ -104,6 +107,7 @@ def _triton_kernels() -> dict[str, Callable[..., Any]]:
     from pd_ssm.kernels.in_proj_conv_triton import in_proj_conv_triton
     from pd_ssm.kernels.kv_write_triton import write_kv_cache_triton
     from pd_ssm.kernels.mixer_decode_triton import mamba2_decode_step_triton
+    from pd_ssm.kernels.mlp_act_triton import mlp_act_triton
     from pd_ssm.kernels.out_proj_add_triton import out_proj_add_triton, pending_norm_triton
     from pd_ssm.kernels.rmsnorm_triton import (
         add_rms_norm_triton,
@@ -132,6 +136,7 @@ def _triton_kernels() -> dict[str, Callable[..., Any]]:
         "varlen_prefill_attention": varlen_prefill_attention_triton,
         "paged_decode_attention": paged_decode_attention_triton,
         "linear": linear_triton,
+        "mlp_act": mlp_act_triton,
         "greedy_argmax": GreedyArgmax(),
     }
 
@@ -198,4 +203,5 @@ write_kv_cache = _routed("write_kv_cache", write_kv_cache_ref)
 varlen_prefill_attention = _routed("varlen_prefill_attention", varlen_prefill_attention_ref)
 paged_decode_attention = _routed("paged_decode_attention", paged_decode_attention_ref)
 linear = _routed("linear", linear_ref)
+mlp_act = _routed("mlp_act", mlp_act_ref)
 greedy_argmax = _routed("greedy_argmax", greedy_argmax_ref)

@@ -53,9 +53,10 @@ class Attention(nn.Module):
         cache: CachePool,
     ) -> torch.Tensor:  # [T, hidden]
         T = hidden.shape[0]
-        q = self.q_proj(hidden).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(T, self.num_kv_heads, self.head_dim)
+        lin = self.kernels.linear  # a weight-streaming GEMV at one row on the Triton kernels
+        q = lin(hidden, self.q_proj.weight, self.q_proj.bias).view(T, self.num_heads, self.head_dim)
+        k = lin(hidden, self.k_proj.weight, self.k_proj.bias).view(T, self.num_kv_heads, self.head_dim)
+        v = lin(hidden, self.v_proj.weight, self.v_proj.bias).view(T, self.num_kv_heads, self.head_dim)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
 
@@ -82,4 +83,4 @@ class Attention(nn.Module):
                 )
             )
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # [T, H, D]
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+        return lin(out.reshape(T, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)

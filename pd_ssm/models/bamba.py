@@ -1,5 +1,10 @@
 """BambaForCausalLM (transformers' `bamba`): Mamba2 or attention mixer, then a SwiGLU FFN, per layer.
 
+Each residual add runs in the kernel of the norm after it (`RMSNorm.add_forward`: the next layer's
+input norm, the FFN's norm, the final norm), so a layer hands the next its FFN output and the
+residual stream apart, as Mamba2 blocks do; the FFN's gate and up projections are one stacked
+matmul (layers/mlp.py; the checkpoint's two tensors fill its halves: GATE_UP_STACK).
+
 Numerics of the reference: residuals stay in the activation dtype (no residual_in_fp32);
 attention rotates only the first head_dim * 0.5 dims (transformers hard-codes
 partial_rotary_factor = 0.5 for Bamba), rotate_half convention; scale head_dim ** -0.5.
@@ -18,7 +23,10 @@ from pd_ssm.engine.forward_meta import ForwardMeta
 from pd_ssm.kernels.dispatch import Kernels
 from pd_ssm.layers import Attention, GatedMLP, Mamba2Mixer, RMSNorm, RotaryEmbedding
 from pd_ssm.models.base import CausalLM
-from pd_ssm.models.weights import load_named_weights
+from pd_ssm.models.weights import Shard, load_named_weights, stacked_name
+
+# the checkpoint's FFN projections -> their halves of the stacked gate_up_proj
+GATE_UP_STACK = {"gate_proj": Shard("gate_up_proj", 0, 2), "up_proj": Shard("gate_up_proj", 1, 2)}
 
 
 class BambaDecoderLayer(nn.Module):
@@ -39,19 +47,22 @@ class BambaDecoderLayer(nn.Module):
             )
         self.pre_ff_layernorm = RMSNorm(hidden, eps, kernels)
         self.feed_forward = GatedMLP(
-            hidden, config.intermediate_size, act=act, bias=bool(config.hf.get("mlp_bias", False))
+            hidden, config.intermediate_size, kernels, act=act, bias=bool(config.hf.get("mlp_bias", False))
         )
 
     def forward(
-        self, hidden: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta, cache: CachePool
-    ) -> torch.Tensor:
-        x = self.input_layernorm(hidden)
+        self, delta: torch.Tensor | None, residual: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta,
+        cache: CachePool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(FFN output, residual stream without it): delta is the layer before's FFN output (None
+        before the first layer), still to be added to `residual` (HF: hidden = hidden + ffn(...))."""
+        x, residual = self.input_layernorm.add_forward(delta, residual, residual.dtype)
         if self.kind == "mamba":
             x = self.mamba(x, meta, cache)
         else:
             x = self.self_attn(x, positions, meta, cache)
-        hidden = hidden + x
-        return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
+        x, residual = self.pre_ff_layernorm.add_forward(x, residual, residual.dtype)
+        return self.feed_forward(x), residual
 
 
 class BambaModel(nn.Module):
@@ -77,16 +88,17 @@ class BambaForCausalLM(CausalLM):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta, cache: CachePool
     ) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
+        residual = self.model.embed_tokens(input_ids)  # [T, hidden]
+        delta: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, positions, meta, cache)
+            delta, residual = layer(delta, residual, positions, meta, cache)
             meta.layer_done(i)  # its cache pages are final: a streaming step may ship them now
-        return self.model.final_layernorm(hidden)
+        return self.model.final_layernorm.add_forward(delta, residual, residual.dtype).normed
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         tied = self.config.tie_word_embeddings
 
-        def rename(name: str) -> str | None:
-            return None if (name == "lm_head.weight" and tied) else name
+        def rename(name: str) -> str | Shard | None:
+            return None if (name == "lm_head.weight" and tied) else stacked_name(name, GATE_UP_STACK)
 
         return load_named_weights(self, weights, rename, self.config.architecture)

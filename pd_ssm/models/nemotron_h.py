@@ -6,6 +6,9 @@ multiply by the weight in fp32 before casting (the gated one does not); attentio
 positional embedding and no biases; the MLP is up -> relu2 -> down; the mixer clamps dt to
 (time_step_min, inf) (normalized into ModelConfig.time_step_limit).  Checkpoints name the trunk
 `backbone.` (transformers renames it to `model.` on load; both spellings are accepted here).
+
+Each residual add runs in the kernel of the norm after it (`RMSNorm.add_forward`: the next block's
+norm, the final norm), so a block hands the next its mixer output and the residual stream apart.
 """
 
 from __future__ import annotations
@@ -40,21 +43,25 @@ class NemotronHBlock(nn.Module):
             )
         else:
             self.mixer = MLP(
-                config.hidden_size, config.intermediate_size,
+                config.hidden_size, config.intermediate_size, kernels,
                 act=config.hf.get("mlp_hidden_act", "relu2"), bias=bool(config.hf.get("mlp_bias", False)),
             )
 
     def forward(
-        self, hidden: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta, cache: CachePool
-    ) -> torch.Tensor:
-        x = self.norm(hidden.to(self.norm.weight.dtype))
+        self, delta: torch.Tensor | None, residual: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta,
+        cache: CachePool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mixer output, residual stream without it): delta is the block before's mixer output (None
+        before the first block), still to be added to `residual` (HF: residual + mixer(norm(...)))."""
+        # NOTE: HF normalizes hidden.to(norm weight dtype): add_forward rounds the sum to it as well
+        x, residual = self.norm.add_forward(delta, residual, residual.dtype)
         if self.kind == "mamba":
             x = self.mixer(x, meta, cache)
         elif self.kind == "attention":
             x = self.mixer(x, positions, meta, cache)
         else:
             x = self.mixer(x)
-        return hidden + x
+        return x, residual
 
 
 class NemotronHBackbone(nn.Module):
@@ -76,11 +83,12 @@ class NemotronHForCausalLM(CausalLM):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta, cache: CachePool
     ) -> torch.Tensor:
-        hidden = self.backbone.embeddings(input_ids)
+        residual = self.backbone.embeddings(input_ids)  # [T, hidden]
+        delta: torch.Tensor | None = None
         for i, layer in enumerate(self.backbone.layers):
-            hidden = layer(hidden, positions, meta, cache)
+            delta, residual = layer(delta, residual, positions, meta, cache)
             meta.layer_done(i)  # its cache pages are final: a streaming step may ship them now
-        return self.backbone.norm_f(hidden)
+        return self.backbone.norm_f.add_forward(delta, residual, residual.dtype).normed
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         tied = self.config.tie_word_embeddings

@@ -1,14 +1,19 @@
 """Copying HF-named checkpoint tensors into a model's parameters, and the errors that can say why not.
 
-A model's `load_weights` supplies only its renaming rule (HF name -> parameter name, or None for a
-tensor that is known to be harmless to skip); the loop here does the rest: layout conversion
-(a parameter may carry a `weight_converter`, e.g. conv1d [dim, 1, width] -> [dim, width]), the
-shape check, the copy, and the collection of names it cannot place.
+A model's `load_weights` supplies only its renaming rule (HF name -> parameter name, a Shard of a
+stacked parameter, or None for a tensor that is known to be harmless to skip); the loop here does the
+rest: layout conversion (a parameter may carry a `weight_converter`, e.g. conv1d [dim, 1, width] ->
+[dim, width]), the shape check, the copy, and the collection of names it cannot place.
+
+Stacked parameters: one matmul where the checkpoint has several with the same input (an MLP's
+gate_proj and up_proj as one gate_up_proj): each checkpoint tensor fills one block of rows, and the
+parameter counts as loaded once every block has arrived.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -49,7 +54,27 @@ class WeightShapeError(WeightLoadError):
 # tensors some exporters write that carry nothing a model needs
 HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
 
-Rename = Callable[[str], str | None]
+
+class Shard(NamedTuple):
+    """A checkpoint tensor that fills block `index` of `count` equal blocks of rows (dim 0) of `name`."""
+
+    name: str
+    index: int
+    count: int
+
+
+Rename = Callable[[str], "str | Shard | None"]
+
+
+def stacked_name(name: str, stacks: Mapping[str, Shard]) -> str | Shard:
+    """`name` as a Shard where its module is one of a stack: stacks maps a checkpoint module name
+    (e.g. "gate_proj") to the Shard of the stacked module it goes to (name: "gate_up_proj")."""
+    head, _, leaf = name.rpartition(".")  # leaf: weight / bias
+    prefix, _, module = head.rpartition(".")
+    to = stacks.get(module)
+    if to is None or not leaf:
+        return name
+    return to._replace(name=f"{prefix}.{to.name}.{leaf}" if prefix else f"{to.name}.{leaf}")
 
 
 def load_named_weights(
@@ -62,23 +87,36 @@ def load_named_weights(
     """
     params = dict(model.named_parameters())  # NOTE: tied parameters appear once, under the first name
     filled: set[str] = set()
+    shards: dict[str, set[int]] = {}  # stacked parameter -> the blocks loaded so far
     unexpected: list[str] = []
     for hf_name, tensor in weights:
         if hf_name.endswith(HARMLESS_SUFFIXES):
             continue
-        name = rename(hf_name)
-        if name is None:
+        to = rename(hf_name)
+        if to is None:
             continue
+        name = to.name if isinstance(to, Shard) else to
         param = params.get(name)
         if param is None:
             unexpected.append(hf_name)
             continue
         convert = getattr(param, "weight_converter", None)
         src = convert(tensor) if convert is not None else tensor
-        if tuple(src.shape) != tuple(param.shape):
-            raise WeightShapeError(hf_name, tuple(tensor.shape), name, tuple(param.shape))
+        dst = param
+        if isinstance(to, Shard):
+            rows = param.shape[0] // to.count
+            if param.shape[0] % to.count or not 0 <= to.index < to.count:
+                raise ValueError(f"{name} [{param.shape[0]} rows] has no block {to.index} of {to.count}")
+            dst = param[to.index * rows:(to.index + 1) * rows]
+        if tuple(src.shape) != tuple(dst.shape):
+            raise WeightShapeError(hf_name, tuple(tensor.shape), name, tuple(dst.shape))
         with torch.no_grad():
-            param.copy_(src)
+            dst.copy_(src)
+        if isinstance(to, Shard):
+            done = shards.setdefault(name, set())
+            done.add(to.index)
+            if len(done) < to.count:
+                continue  # a block still missing leaves the parameter unloaded: it is reported as missing
         filled.add(name)
     if unexpected:
         raise UnexpectedWeightsError(unexpected, architecture)

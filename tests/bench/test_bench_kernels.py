@@ -42,6 +42,7 @@ def test_conv_and_attention_rows_time_the_kernels() -> None:
         bench_conv_varlen,
         bench_decode_attention,
         bench_gated_norm,
+        bench_mlp_act,
         bench_prefill_attention,
         bench_sdpa_prefill,
     )
@@ -52,7 +53,8 @@ def test_conv_and_attention_rows_time_the_kernels() -> None:
     for ms, base_ms, nbytes, flops in (
         bench_conv_varlen(k, dev, [300, 17], init=True), bench_decode_attention(k, dev, 2, 100),
         bench_prefill_attention(k, dev, [40, 7], [0, 33]), bench_sdpa_prefill(dev, 64),
-        bench_gated_norm(k, dev, 64, groups=8),
+        bench_gated_norm(k, dev, 64, groups=8), bench_mlp_act(k, dev, 8, 1000, "silu", True),
+        bench_mlp_act(k, dev, 8, 1000, "relu2", False),
     ):
         assert 0 < ms < 50 and base_ms is None and nbytes > 0 and flops > 0
 

@@ -88,6 +88,29 @@ def test_shape_mismatch_names_tensor_and_shapes(checkpoints, tmp_path: Path) -> 
     assert name in msg and str((good[0] + 6, good[1])) in msg and str(good) in msg
 
 
+def test_stacked_halves_each_checked_and_both_required(checkpoints, tmp_path: Path) -> None:
+    """Bamba's gate_proj and up_proj fill the halves of one gate_up_proj: a half of the wrong shape
+    is named with the half's shape, and a checkpoint with only one half leaves the stack missing."""
+    hf, path = checkpoints["bamba-attn-first-last"]
+    tensors = load_file(str(path / "model.safetensors"))
+    up = "model.layers.1.feed_forward.up_proj.weight"
+    good = tuple(tensors[up].shape)
+    model = load_pd(_copy_with(path, tmp_path / "ok", tensors))
+    stacked = model.get_parameter("model.layers.1.feed_forward.gate_up_proj.weight")
+    assert tuple(stacked.shape) == (2 * good[0], good[1])
+    assert torch.equal(stacked[good[0]:], tensors[up]) and torch.equal(
+        stacked[:good[0]], tensors["model.layers.1.feed_forward.gate_proj.weight"])
+    bad = dict(tensors)
+    bad[up] = torch.randn(good[0] + 2, good[1])
+    with pytest.raises(WeightShapeError) as e:
+        load_pd(_copy_with(path, tmp_path / "bad", bad))
+    assert up in str(e.value) and str(good) in str(e.value)
+    del tensors[up]
+    with pytest.raises(MissingWeightsError) as e2:
+        load_pd(_copy_with(path, tmp_path / "half", tensors))
+    assert e2.value.missing == ["model.layers.1.feed_forward.gate_up_proj.weight"]
+
+
 def test_unexpected_tensor_raises_harmless_ones_skipped(checkpoints, tmp_path: Path) -> None:
     _, path = checkpoints["mamba2-g1"]
     tensors = load_file(str(path / "model.safetensors"))
