@@ -3,7 +3,7 @@ of eager decode steps (torch.profiler), beside the step's wall time, for a real 
 Mamba2-2.7B by default) with dummy weights.  Eager decode shows each kernel's own duration; the graph replay time of the same
 batch (from `pd-ssm bench engine`) minus their sum is what the graph's node gaps cost.
 
-    python benchmarks/profile_engine_gpu.py [--out DIR] [--shape NAME] [--context N]     (CUDA only; writes profile.json, .txt)
+    python benchmarks/profile_engine_gpu.py [--out DIR] [--shape NAME] [--context N] [--graphs]     (CUDA only; writes profile.json, .txt)
 """
 
 from __future__ import annotations
@@ -57,13 +57,14 @@ def eager_engine_2_7b(max_num_seqs: int, *, enforce_eager: bool = True,
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
-    ap.add_argument("--eager", action="store_true", help="no CUDA graphs (decode kernels profiled one by one)")
+    ap.add_argument("--graphs", action="store_true",
+                    help="steps replay their CUDA graphs (default: eager, each kernel profiled by itself)")
     ap.add_argument("--shape", default="mamba2-2.7b", choices=list(SHAPES))
     ap.add_argument("--context", type=int, default=16, help="prompt tokens of each decode request")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    engine = eager_engine_2_7b(max_num_seqs=128, shape=SHAPES[args.shape])
+    engine = eager_engine_2_7b(max_num_seqs=128, shape=SHAPES[args.shape], enforce_eager=not args.graphs)
     gen = torch.Generator().manual_seed(0)
     vocab = engine.model_config.vocab_size
     report: dict[str, Any] = {}
@@ -115,7 +116,8 @@ def main() -> None:
         rows = kernel_table(prof, steps)
         busy = sum(r["us_per_step"] for r in rows) / 1e3
         report[f"decode_{batch}"] = {"eager_wall_ms": statistics.median(walls), "kernel_ms": busy, "kernels": rows}
-        lines.append(f"decode batch {batch} (eager): wall {statistics.median(walls):.2f} ms/step, kernel sum "
+        mode = "graphs" if args.graphs else "eager"
+        lines.append(f"decode batch {batch} ({mode}): wall {statistics.median(walls):.2f} ms/step, kernel sum "
                      f"{busy:.2f} ms, {sum(r['launches_per_step'] for r in rows):.0f} launches/step")
         lines += [f"  {r['us_per_step']:9.1f} us  x{r['launches_per_step']:5.0f}  {r['kernel']}" for r in rows[:20]]
         for r in ids:

@@ -56,11 +56,11 @@ HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class Shard(NamedTuple):
-    """A checkpoint tensor that fills block `index` of `count` equal blocks of rows (dim 0) of `name`."""
+    """A checkpoint tensor that fills block `block` of `blocks` equal blocks of rows (dim 0) of `name`."""
 
     name: str
-    index: int
-    count: int
+    block: int
+    blocks: int
 
 
 Rename = Callable[[str], "str | Shard | None"]
@@ -102,20 +102,20 @@ def load_named_weights(
             continue
         convert = getattr(param, "weight_converter", None)
         src = convert(tensor) if convert is not None else tensor
-        dst = param
+        dst: torch.Tensor = param
         if isinstance(to, Shard):
-            rows = param.shape[0] // to.count
-            if param.shape[0] % to.count or not 0 <= to.index < to.count:
-                raise ValueError(f"{name} [{param.shape[0]} rows] has no block {to.index} of {to.count}")
-            dst = param[to.index * rows:(to.index + 1) * rows]
+            rows = param.shape[0] // to.blocks
+            if param.shape[0] % to.blocks or not 0 <= to.block < to.blocks:
+                raise ValueError(f"{name} [{param.shape[0]} rows] has no block {to.block} of {to.blocks}")
+            dst = param[to.block * rows:(to.block + 1) * rows]
         if tuple(src.shape) != tuple(dst.shape):
             raise WeightShapeError(hf_name, tuple(tensor.shape), name, tuple(dst.shape))
         with torch.no_grad():
             dst.copy_(src)
         if isinstance(to, Shard):
             done = shards.setdefault(name, set())
-            done.add(to.index)
-            if len(done) < to.count:
+            done.add(to.block)
+            if len(done) < to.blocks:
                 continue  # a block still missing leaves the parameter unloaded: it is reported as missing
         filled.add(name)
     if unexpected:

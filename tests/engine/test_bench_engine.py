@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from pd_ssm.bench.engine import BenchRow, format_table
-from pd_ssm.bench.shapes import MAMBA2_2_7B, SHAPES
 from pd_ssm.bench.roofline import ModelBytes, decode_floor_bytes, model_bytes, prefill_floor
+from pd_ssm.bench.shapes import MAMBA2_2_7B, SHAPES
 from pd_ssm.config import CacheConfig, ModelConfig
 from pd_ssm.engine.memory_plan import kv_block_bytes, state_slot_bytes
 from pd_ssm.kernels.dispatch import get_kernels
