@@ -208,6 +208,7 @@ class DecodeBuffers:
             query_start_loc_cpu=list(range(size + 1)),
             context_lens_cpu=[0] * size,
             seq_lens_cpu=[1] * size,
+            host_lists=False,
         )
         return ids, positions, meta
 

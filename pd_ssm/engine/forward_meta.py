@@ -37,6 +37,9 @@ class ForwardMeta:
     # called by the model after each decoder layer (its index) on steps that stream pages out
     # (layer_export.py); None on every other step, and inside CUDA graphs
     on_layer: Callable[[int], None] | None = field(default=None, repr=False, compare=False)
+    # False inside a captured prefill graph: the *_cpu lists are the capture's placeholders, not the
+    # batch of any replay (prefill_graphs.py), so nothing may be chosen from them
+    host_lists: bool = True
     # NOTE: every SSM and attention layer asks for the same two views; built once per step
     _prefill: ForwardMeta | None = field(default=None, init=False, repr=False, compare=False)
     _decode: ForwardMeta | None = field(default=None, init=False, repr=False, compare=False)
@@ -56,8 +59,11 @@ class ForwardMeta:
         return self.num_decodes
 
     @property
-    def max_query_len(self) -> int:
-        """The most tokens any sequence has in this step (from the host lists: no device sync)."""
+    def max_query_len(self) -> int | None:
+        """The most tokens any sequence has in this step (from the host lists: no device sync); None
+        where the host lists are placeholders (a captured graph serves many batches)."""
+        if not self.host_lists:
+            return None
         if self._max_query_len is None:
             q = self.query_start_loc_cpu
             self._max_query_len = max((b - a for a, b in zip(q, q[1:], strict=False)), default=0)
@@ -92,6 +98,7 @@ class ForwardMeta:
             query_start_loc_cpu=[x - base for x in self.query_start_loc_cpu[d:]],
             context_lens_cpu=self.context_lens_cpu[d:],
             seq_lens_cpu=self.seq_lens_cpu[d:],
+            host_lists=self.host_lists,
         )
 
     def _make_decode_view(self) -> ForwardMeta:
@@ -110,4 +117,5 @@ class ForwardMeta:
             query_start_loc_cpu=self.query_start_loc_cpu[: d + 1],
             context_lens_cpu=self.context_lens_cpu[:d],
             seq_lens_cpu=self.seq_lens_cpu[:d],
+            host_lists=self.host_lists,
         )

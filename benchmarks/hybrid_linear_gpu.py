@@ -1,0 +1,70 @@
+"""The hybrids' decode-step linears (Bamba-9B, Nemotron-H-8B shapes) at 1-64 rows: cuBLAS (F.linear)
+against the few-row DOT tiles of skinny_gemm_triton with and without a split of K.
+
+Why: the eager profile of a Bamba-9B decode step at batch 32 (RESULTS.md, session 26) has the mixers'
+out_proj (8192 -> 4096) as cuBLAS split-K at ~2.7 TB/s, where the larger projections stream at
+3.7-3.8. Each variant runs as back-to-back calls in one CUDA graph, each on its own weight copy
+(past L2), as in benchmarks/linear_gpu.py; each is checked against the fp32 reference first.
+
+    PYTHONPATH=. python3 benchmarks/hybrid_linear_gpu.py      (CUDA only; JSON to $OUT/hybrid_linear.json)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.linear_gpu import graph_time_us
+from pd_ssm.kernels.skinny_linear_triton import LinearTile, skinny_linear_ref, skinny_linear_triton
+
+# name: (N, K) of weight [N, K]
+SHAPES = {
+    "out_proj 8192->4096": (4096, 8192),
+    "bamba down 14336->4096": (4096, 14336),
+    "nemotron down 21504->4096": (4096, 21504),
+    "bamba gate_up 4096->28672": (28672, 4096),
+}
+ROWS = [int(r) for r in os.environ.get("HYB_ROWS", "2,8,16,32,64").split(",")]
+TILES = {f"dot {bn}x{bk} w{w} s{st} split {sk}": LinearTile(bn, bk, w, st, split_k=sk)
+         for bn, bk, w, st in ((32, 128, 4, 4), (64, 128, 4, 4)) for sk in (1, 2, 4)}
+
+
+def main() -> None:
+    out = Path(os.environ.get("OUT", "/tmp/out"))
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    results: list[dict[str, Any]] = []
+    for name, (N, K) in SHAPES.items():
+        copies = max(4, min(32, (1 << 30) // (N * K * 2)))  # >= 1 GB of weights: far past L2
+        ws = [torch.randn(N, K, device=dev, generator=g).bfloat16() * 0.02 for _ in range(copies)]
+        nbytes = N * K * 2
+        for M in ROWS:
+            x = torch.randn(M, K, device=dev, generator=g).bfloat16()
+            ref = skinny_linear_ref(x, ws[0])
+            line = {"shape": name, "rows": M}
+            us = graph_time_us(lambda xs, w: F.linear(xs, w), x, ws)
+            line["cublas"] = us
+            for tname, t in TILES.items():
+                if K % t.split_k:
+                    continue
+                got = skinny_linear_triton(x, ws[0], tile=t)
+                err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                if err > 2e-2:
+                    line[tname] = f"wrong ({err:.2e})"
+                    continue
+                line[tname] = graph_time_us(lambda xs, w, t=t: skinny_linear_triton(xs, w, tile=t), x, ws)
+            best = min((v, k) for k, v in line.items() if isinstance(v, float))
+            print(f"{name:28s} M {M:3d}  cuBLAS {line['cublas']:7.1f} us ({nbytes / line['cublas'] / 1e6:5.2f} TB/s)"
+                  f"  best {best[1]:28s} {best[0]:7.1f} us ({nbytes / best[0] / 1e6:5.2f} TB/s)", flush=True)
+            results.append(line)
+    (out / "hybrid_linear.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
