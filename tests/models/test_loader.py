@@ -182,3 +182,35 @@ def test_bf16_load_keeps_ssm_params_fp32_and_tracks_fp32(name: str, checkpoints)
     assert torch.isfinite(got).all()
     # bf16 has ~3 significant digits; 20 layers of rounding stay well inside this
     assert rel_err(got, ref).max() < 0.1
+
+
+def test_stacked_name_maps_weights_and_biases_of_the_stack_only() -> None:
+    from pd_ssm.models.bamba import GATE_UP_STACK
+    from pd_ssm.models.weights import Shard, stacked_name
+
+    assert stacked_name("model.layers.3.feed_forward.up_proj.bias", GATE_UP_STACK) == Shard(
+        "model.layers.3.feed_forward.gate_up_proj.bias", 1, 2)
+    assert stacked_name("gate_proj.weight", GATE_UP_STACK) == Shard("gate_up_proj.weight", 0, 2)
+    for name in ("model.layers.3.feed_forward.down_proj.weight", "lm_head.weight", "model.norm_up_proj"):
+        assert stacked_name(name, GATE_UP_STACK) == name
+
+
+def test_gated_mlp_with_biases_loads_both_halves() -> None:
+    from pd_ssm.layers import GatedMLP
+    from pd_ssm.models.bamba import GATE_UP_STACK
+    from pd_ssm.models.weights import load_named_weights, stacked_name
+
+    g = torch.Generator().manual_seed(12)
+    ckpt = {f"{m}.{leaf}": torch.randn(*shape, generator=g)
+            for m, rows in (("gate_proj", 6), ("up_proj", 6), ("down_proj", 4))
+            for leaf, shape in (("weight", (rows, 4 if m != "down_proj" else 6)), ("bias", (rows,)))}
+    mlp = GatedMLP(4, 6, get_kernels("torch", "cpu"), bias=True)
+    filled = load_named_weights(mlp, ckpt.items(), lambda n: stacked_name(n, GATE_UP_STACK), "test")
+    assert filled == {"gate_up_proj.weight", "gate_up_proj.bias", "down_proj.weight", "down_proj.bias"}
+    assert torch.equal(mlp.gate_up_proj.bias, torch.cat([ckpt["gate_proj.bias"], ckpt["up_proj.bias"]]))
+    x = torch.randn(3, 4, generator=g)
+    want = torch.nn.functional.linear(
+        torch.nn.functional.silu(torch.nn.functional.linear(x, ckpt["gate_proj.weight"], ckpt["gate_proj.bias"]))
+        * torch.nn.functional.linear(x, ckpt["up_proj.weight"], ckpt["up_proj.bias"]),
+        ckpt["down_proj.weight"], ckpt["down_proj.bias"])
+    torch.testing.assert_close(mlp(x), want, rtol=1e-6, atol=1e-6)
