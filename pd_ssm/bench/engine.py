@@ -3,10 +3,10 @@
 The model is a real shape with dummy weights (`--shape`, shapes.py: Mamba2-2.7B by default,
 Bamba-9B, NemotronH-8B) or `--model DIR`; bf16 activations, fp32 SSM state, on CUDA.  Every timed
 step is a real `Engine.step()` (schedule -> run -> sample -> outputs) on synthetic requests of
-random tokens.  Every step call reads a step's tokens on the
-host, so over many calls the host clock measures whole steps: with async scheduling (the default;
-`--no-async-scheduling` to compare) a decode step runs on the GPU while the host reads and
-detokenizes the one before, and the median call is the period of that pipeline.
+random tokens.  Every step call reads a step's tokens on the host, so over many calls the host
+clock measures whole steps: with async scheduling (the default; `--no-async-scheduling` to
+compare) a decode step runs on the GPU while the host reads and detokenizes the one before, and
+the median call is the period of that pipeline.
 
   prefill   one request of `prefill_tokens` tokens, batch 1, max_tokens 1: one step prefills it
             and samples its first token; median of several runs
