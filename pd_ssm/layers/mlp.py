@@ -1,8 +1,9 @@
 """Feed-forward blocks: the gated (SwiGLU) MLP of Bamba and the plain up/act/down MLP of NemotronH.
 
 The gated MLP's gate_proj and up_proj are one stacked matmul, gate_up_proj (the checkpoint's two
-tensors fill its two halves: the model's loader maps them, models/weights.py `stacked_name`), and the activation is one kernel (kernels/mlp_act.py)
-that reads gate | up once: two launches fewer a layer than gate, up, act, product.
+tensors fill its two halves: the model's loader maps them, models/weights.py `stacked_name`), and
+the activation is one kernel (kernels/mlp_act.py) that reads gate | up once: two launches fewer a
+layer than gate, up, act, product.
 """
 
 from __future__ import annotations
