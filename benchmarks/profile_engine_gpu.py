@@ -1,9 +1,11 @@
 """Where a whole-model step spends its time on the GPU: per-kernel CUDA time of one prefill step and
-of eager decode steps (torch.profiler), beside the step's wall time, for a real shape (bench/shapes.py,
-Mamba2-2.7B by default) with dummy weights.  Eager decode shows each kernel's own duration; the graph replay time of the same
-batch (from `pd-ssm bench engine`) minus their sum is what the graph's node gaps cost.
+of eager decode steps (torch.profiler), beside the step's wall time, for a real shape
+(bench/shapes.py, Mamba2-2.7B by default) with dummy weights.  Eager decode shows each kernel's own
+duration; the graph replay time of the same batch (from `pd-ssm bench engine`) minus their sum is
+what the graph's node gaps cost.
 
-    python benchmarks/profile_engine_gpu.py [--out DIR] [--shape NAME] [--context N] [--graphs]     (CUDA only; writes profile.json, .txt)
+    python benchmarks/profile_engine_gpu.py [--out DIR] [--shape NAME] [--context N] [--graphs]
+    (CUDA only; writes profile.json, .txt)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from pd_ssm.bench.engine import decode_max_tokens, finish_prefills
 from pd_ssm.bench.shapes import MAMBA2_2_7B, SHAPES
 from pd_ssm.config import CacheConfig, EngineConfig, SchedulerConfig
 from pd_ssm.engine.engine import Engine
@@ -95,11 +98,11 @@ def main() -> None:
     lines += [f"  {r['us_per_step']:9.1f} us  x{r['launches_per_step']:5.0f}  {r['kernel']}" for r in rows[:25]]
 
     for batch in (1, 32, 128):
-        # the first prompts decode while later ones prefill: none may finish before the profiled steps
-        params = SamplingParams(temperature=0, max_tokens=30 + batch * args.context // (2048 - batch) + 2, ignore_eos=True)
+        # 6 warm-up, 10 timed and 5 profiled steps after the last prompt's prefill
+        params = SamplingParams(temperature=0, max_tokens=decode_max_tokens(batch, args.context, 2048, 30),
+                                ignore_eos=True)
         ids = [engine.add_request(prompt(args.context), params).req_id for _ in range(batch)]
-        while engine.scheduler.num_waiting or engine.scheduler.prefill is not None and engine.scheduler.prefill.prefilling:
-            engine.step()  # the prompts' prefills (several steps when the context is long)
+        finish_prefills(engine)
         for _ in range(6):
             engine.step()
         walls = []

@@ -173,7 +173,8 @@ def _bench_engine(args: argparse.Namespace) -> int:
         print("pd-ssm: error: --model and --shape are two models; give one", file=sys.stderr)
         return 2
     opts = EngineBenchOptions(
-        model=args.model, shape=args.shape or DEFAULT_SHAPE, load_format=args.load_format, kernel_backend=args.kernel_backend, dtype=args.dtype,
+        model=args.model, shape=args.shape or DEFAULT_SHAPE, load_format=args.load_format,
+        kernel_backend=args.kernel_backend, dtype=args.dtype,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, prefill_tokens=args.prefill_tokens,
         prefill_runs=args.prefill_runs, batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
         decode_steps=args.decode_steps, decode_context=args.decode_context, warmup_steps=args.warmup_steps,

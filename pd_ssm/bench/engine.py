@@ -97,6 +97,21 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def decode_max_tokens(batch: int, context: int, budget: int, steps: int) -> int:
+    """max_tokens for `batch` decode requests with prompts of `context` tokens that must all still
+    run `steps` decode steps after the last prompt is prefilled: the first prompts decode while the
+    later ones prefill (each step shares `budget` tokens between them)."""
+    prefill_steps = -(-batch * context // max(budget - batch, 1)) + 1
+    return prefill_steps + steps
+
+
+def finish_prefills(engine: Any) -> None:
+    """Step `engine` until no request waits or prefills (several steps when the prompts are long)."""
+    sched = engine.scheduler
+    while sched.num_waiting or (sched.prefill is not None and sched.prefill.prefilling):
+        engine.step()
+
+
 def _median_ms(seconds: list[float]) -> float:
     return 1e3 * statistics.median(seconds)
 
@@ -195,16 +210,11 @@ def run_engine_bench(opts: EngineBenchOptions, on_row: Callable[[BenchRow], None
     graphs = engine.runner.graphs
     passes = [(batch, detok) for batch in opts.batch_sizes for detok in (True, False)]
     for batch, detokenize in passes:
-        # NOTE: the first prompts decode while the later ones prefill (each step shares `budget` tokens
-        # between them): no request may finish before the timed steps end
-        prefill_steps = -(-batch * opts.decode_context // max(budget - batch, 1)) + 1
-        params = SamplingParams(temperature=0, max_tokens=prefill_steps + opts.warmup_steps + opts.decode_steps + 4,
-                                ignore_eos=True,
+        max_tokens = decode_max_tokens(batch, opts.decode_context, budget, opts.warmup_steps + opts.decode_steps + 4)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                                 detokenize=detokenize, output_kind="cumulative" if detokenize else "delta")
         ids = [engine.add_request(prompt(opts.decode_context), params).req_id for _ in range(batch)]
-        sched = engine.scheduler
-        while sched.num_waiting or (sched.prefill is not None and sched.prefill.prefilling):
-            engine.step()
+        finish_prefills(engine)
         for _ in range(opts.warmup_steps):
             engine.step()
         runner_clock.clear()

@@ -30,10 +30,16 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
+def check_activation(act: str, where: str = "mlp_act") -> str:
+    """`act` if the kernels have it (the MLP layers check at construction, the kernels per call)."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{where}: unsupported activation {act!r}; supported: {sorted(ACTIVATIONS)}")
+    return act
+
+
 def check_mlp_act_args(x: Tensor, act: str, gated: bool) -> None:
     k = "mlp_act"
-    if act not in ACTIVATIONS:
-        raise ValueError(f"{k}: unsupported activation {act!r}; supported: {sorted(ACTIVATIONS)}")
+    check_activation(act, k)
     check_ndim(k, "x", x, "[T, width]")
     check_dtype(k, "x", x, FLOAT_DTYPES)
     check_last_dim_contiguous(k, "x", x)

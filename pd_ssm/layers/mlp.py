@@ -12,13 +12,7 @@ import torch
 from torch import nn
 
 from pd_ssm.kernels.dispatch import Kernels
-from pd_ssm.kernels.mlp_act import ACTIVATIONS
-
-
-def check_activation(name: str) -> str:
-    if name not in ACTIVATIONS:
-        raise ValueError(f"unsupported MLP activation {name!r}; supported: {sorted(ACTIVATIONS)}")
-    return name
+from pd_ssm.kernels.mlp_act import check_activation
 
 
 class GatedMLP(nn.Module):
@@ -29,7 +23,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)  # [gate | up]
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.act = check_activation(act)
+        self.act = check_activation(act, "MLP")
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
@@ -46,7 +40,7 @@ class MLP(nn.Module):
         super().__init__()
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.act = check_activation(act)
+        self.act = check_activation(act, "MLP")
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
