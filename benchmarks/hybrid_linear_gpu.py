@@ -1,12 +1,15 @@
-"""The hybrids' decode-step linears (Bamba-9B, Nemotron-H-8B shapes) at 1-64 rows: cuBLAS (F.linear)
-against the few-row DOT tiles of skinny_gemm_triton with and without a split of K.
+"""The decode-step linears of the three bench shapes (Bamba-9B, Nemotron-H-8B, Mamba2-2.7B) at a few
+rows: cuBLAS against the few-row DOT tiles of skinny_gemm_triton with and without a split of K (the
+one-row GEMV at one row); for the lm_head, cuBLAS's fp32-output launch (compute_logits) against them.
 
 Why: the eager profile of a Bamba-9B decode step at batch 32 (RESULTS.md, session 26) has the mixers'
 out_proj (8192 -> 4096) as cuBLAS split-K at ~2.7 TB/s, where the larger projections stream at
-3.7-3.8. Each variant runs as back-to-back calls in one CUDA graph, each on its own weight copy
-(past L2), as in benchmarks/linear_gpu.py; each is checked against the fp32 reference first.
+3.7-3.8; session 27 chose skinny_linear_triton.few_rows_tile from this sweep. Each variant runs as
+back-to-back calls in one CUDA graph, each on its own weight copy (past L2), as in
+benchmarks/linear_gpu.py; each is checked against the fp32 reference first.
 
-    PYTHONPATH=. python3 benchmarks/hybrid_linear_gpu.py      (CUDA only; JSON to $OUT/hybrid_linear.json)
+    PYTHONPATH=. [HYB_ROWS=2,4,8,16] [HYB_SHAPES=lm_head,...] python3 benchmarks/hybrid_linear_gpu.py
+    (CUDA only; JSON to $OUT/hybrid_linear.json)
 """
 
 from __future__ import annotations
@@ -28,10 +31,23 @@ SHAPES = {
     "bamba down 14336->4096": (4096, 14336),
     "nemotron down 21504->4096": (4096, 21504),
     "bamba gate_up 4096->28672": (28672, 4096),
+    "nemotron up 4096->21504": (21504, 4096),
+    "bamba in_proj 4096->16768": (16768, 4096),
+    "nemotron in_proj 4096->18560": (18560, 4096),
+    "q / o 4096->4096": (4096, 4096),
+    "k / v 4096->1024": (1024, 4096),
+    "2.7b in_proj 2560->10576": (10576, 2560),
+    "2.7b out_proj 5120->2560": (2560, 5120),
+    # the logits: one cuBLAS launch writing fp32 (models/base.py compute_logits) is the baseline there
+    "2.7b lm_head 2560->50288": (50288, 2560),
+    "bamba lm_head 4096->128256": (128256, 4096),
 }
-ROWS = [int(r) for r in os.environ.get("HYB_ROWS", "2,8,16,32,64").split(",")]
+if os.environ.get("HYB_SHAPES"):
+    SHAPES = {k: v for k, v in SHAPES.items() if any(f in k for f in os.environ["HYB_SHAPES"].split(","))}
+ROWS = [int(r) for r in os.environ.get("HYB_ROWS", "2,4,8,16,32").split(",")]
 TILES = {f"dot {bn}x{bk} w{w} s{st} split {sk}": LinearTile(bn, bk, w, st, split_k=sk)
-         for bn, bk, w, st in ((32, 128, 4, 4), (64, 128, 4, 4)) for sk in (1, 2, 4)}
+         for bn, bk, w, st in ((32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 3))
+         for sk in (1, 2, 4)}
 
 
 def main() -> None:
@@ -48,10 +64,14 @@ def main() -> None:
             x = torch.randn(M, K, device=dev, generator=g).bfloat16()
             ref = skinny_linear_ref(x, ws[0])
             line = {"shape": name, "rows": M}
-            us = graph_time_us(lambda xs, w: F.linear(xs, w), x, ws)
+            if "lm_head" in name:
+                us = graph_time_us(lambda xs, w: torch.mm(xs, w.t(), out_dtype=torch.float32), x, ws)
+            else:
+                us = graph_time_us(lambda xs, w: F.linear(xs, w), x, ws)
             line["cublas"] = us
-            for tname, t in TILES.items():
-                if K % t.split_k:
+            tiles = TILES if M > 1 else {"gemv (one row)": None}
+            for tname, t in tiles.items():
+                if t is not None and K % t.split_k:
                     continue
                 got = skinny_linear_triton(x, ws[0], tile=t)
                 err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()

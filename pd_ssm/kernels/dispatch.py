@@ -28,7 +28,7 @@ from pd_ssm.kernels.attention import (
     write_kv_cache_ref,
 )
 from pd_ssm.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
-from pd_ssm.kernels.linear import linear_ref
+from pd_ssm.kernels.linear import linear_ref, logits_ref
 from pd_ssm.kernels.mixer_decode import in_proj_conv_ref, mamba2_decode_step_ref
 from pd_ssm.kernels.mlp_act import mlp_act_ref
 from pd_ssm.kernels.pending_norm import PendingNorm, out_proj_add_ref, pending_norm_ref
@@ -71,6 +71,7 @@ class Kernels:
     varlen_prefill_attention: Callable[..., Tensor]
     paged_decode_attention: Callable[..., Tensor]
     linear: Callable[..., Tensor]
+    logits: Callable[..., Tensor]
     mlp_act: Callable[..., Tensor]
     greedy_argmax: Callable[..., Tensor]
 
@@ -94,6 +95,7 @@ _TORCH_KERNELS: Mapping[str, Callable[..., Any]] = MappingProxyType({
     "varlen_prefill_attention": varlen_prefill_attention_ref,
     "paged_decode_attention": paged_decode_attention_ref,
     "linear": linear_ref,
+    "logits": logits_ref,
     "mlp_act": mlp_act_ref,
     "greedy_argmax": greedy_argmax_ref,
 })
@@ -115,7 +117,7 @@ def _triton_kernels() -> dict[str, Callable[..., Any]]:
         rms_norm_gated_triton,
         rms_norm_triton,
     )
-    from pd_ssm.kernels.skinny_linear_triton import linear_triton
+    from pd_ssm.kernels.skinny_linear_triton import linear_triton, logits_triton
     from pd_ssm.kernels.ssd_triton import mamba_chunk_scan_varlen_triton
     from pd_ssm.kernels.ssu_triton import selective_state_update_triton
 
@@ -136,6 +138,7 @@ def _triton_kernels() -> dict[str, Callable[..., Any]]:
         "varlen_prefill_attention": varlen_prefill_attention_triton,
         "paged_decode_attention": paged_decode_attention_triton,
         "linear": linear_triton,
+        "logits": logits_triton,
         "mlp_act": mlp_act_triton,
         "greedy_argmax": GreedyArgmax(),
     }
@@ -203,5 +206,6 @@ write_kv_cache = _routed("write_kv_cache", write_kv_cache_ref)
 varlen_prefill_attention = _routed("varlen_prefill_attention", varlen_prefill_attention_ref)
 paged_decode_attention = _routed("paged_decode_attention", paged_decode_attention_ref)
 linear = _routed("linear", linear_ref)
+logits = _routed("logits", logits_ref)
 mlp_act = _routed("mlp_act", mlp_act_ref)
 greedy_argmax = _routed("greedy_argmax", greedy_argmax_ref)

@@ -24,9 +24,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pd_ssm.kernels._device import num_sms
 from pd_ssm.kernels._grid import cdiv
 from pd_ssm.kernels.launch import FastKernel
-from pd_ssm.kernels.linear import linear_ref
+from pd_ssm.kernels.linear import linear_ref, logits_ref
 from pd_ssm.kernels.pdl import launch_options, pdl_gate, use_pdl
 from pd_ssm.kernels.pending_norm import PendingNorm, check_pending_norm
 from pd_ssm.kernels.skinny_gemm_triton import launch_dot, launch_split_reduce
@@ -61,8 +62,9 @@ FMA_TILE = LinearTile(32, 256, 4, 3)
 # 4-row tiles: out_proj's 2560 rows make 640 programs (8 rows: 320 on 132 SMs, 3 against 2.4 a
 # SM): 29.9 against 30.7-30.8 us per layer, bit-equal (session 7)
 FMA_TILE_NARROW = LinearTile(4, 512, 4, 4, prefetch_k=2048)  # N <= 4096
-# NOTE: at 32 and 128 rows the DOT path lost to cuBLAS (0.66-0.95x, too few programs without split-K;
-# session 7, 32-column tiles on mma v2), so `linear_triton` keeps cuBLAS there. It serves a pending
+# NOTE: at 32 and 128 rows this tile lost to cuBLAS (0.66-0.95x, too few programs without split-K;
+# session 7, 32-column tiles on mma v2): `linear_triton` takes FEW_ROWS_TILE up to 32 rows (below)
+# and cuBLAS past them. This one serves a pending
 # norm's in_proj (pending_norm.py, up to 32 rows): the scale rides its epilogue, where the norm's
 # launch it saves pays for what it loses to cuBLAS (decode batch 32 5.44 -> 5.36 ms, batch 8 3.25 ->
 # 3.10, RESULTS.md session 18); and, split along K, out_proj there (out_proj_add_triton.py).
@@ -74,6 +76,17 @@ FMA_TILE_NARROW = LinearTile(4, 512, 4, 4, prefetch_k=2048)  # N <= 4096
 DOT_TILE = LinearTile(32, 128, 4, 4)
 # NOTE: one row only: at 4 and 8 rows the FMA path re-reads W per row and ran 0.22-0.72x cuBLAS
 FMA_MAX_ROWS = 1
+# NOTE: 2-32 rows, plain linears (no pending norm, no conv epilogue): 64 columns a program, W's slice
+# the wgmma's M. Against cuBLAS at 2 / 4 / 8 / 16 / 32 rows (H200, benchmarks/hybrid_linear_gpu.py,
+# RESULTS.md session 27), per shape: K split in 4 where the 64-column tiles are fewer than the SMs
+# (Bamba / Nemotron-H out_proj, down, q / o, k / v; the 2.7B out_proj) 1.00-1.16x; whole K where
+# they are 1.5 SMs' worth or more (gate_up, up, the hybrids' in_proj) 0.98-1.20x. In between (the
+# 2.7B in_proj, 166 tiles on 132 SMs: a second wave a quarter full) they ran 0.85-0.90x: cuBLAS.
+# Engine A/B (Bamba-9B / Nemotron-H-8B decode): batch 2-16 -5.1 to -5.8% / -2.8 to -3.3%, batch 32
+# -3.4% / -0.5%
+DOT_MAX_ROWS = 32
+FEW_ROWS_TILE = LinearTile(64, 128, 4, 4)
+FEW_ROWS_SPLIT = 4
 
 
 def skinny_linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -160,9 +173,11 @@ _SKINNY_FMA = FastKernel(_skinny_fma_kernel)
 
 
 def skinny_linear_triton(
-    inp: Tensor | PendingNorm, weight: Tensor, bias: Tensor | None = None, *, tile: LinearTile | None = None
+    inp: Tensor | PendingNorm, weight: Tensor, bias: Tensor | None = None, *, tile: LinearTile | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
-    """y [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), M <= MAX_ROWS, one launch.
+    """y [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), M <= MAX_ROWS, one launch; into `out`
+    [M, N] where given, in x's dtype or fp32 (the fp32 sums stored unrounded: the logits).
 
     x and weight share a dtype (bf16 / fp16 / fp32) and have stride 1 on K; bias in any float
     dtype.  fp32 inputs take IEEE fp32 dots (never tf32), as torch's default linear does.
@@ -184,7 +199,14 @@ def skinny_linear_triton(
         raise ValueError(f"skinny_linear: 1..{MAX_ROWS} rows, got {M}")
     if bias is not None and bias.shape != (N,):
         raise ValueError(f"skinny_linear: bias must be [{N}], got {tuple(bias.shape)}")
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)  # [M, N]
+    if out is None:
+        y = torch.empty((M, N), dtype=x.dtype, device=x.device)  # [M, N]
+    elif out.shape != (M, N) or out.dtype not in (x.dtype, torch.float32) or out.stride(1) != 1 \
+            or out.device != x.device:
+        raise ValueError(f"skinny_linear: out must be [{M}, {N}] in {x.dtype} or float32 with stride 1 on N, on "
+                         f"{x.device}; got {tuple(out.shape)} {out.dtype} stride {out.stride()} on {out.device}")
+    else:
+        y = out
     t = tile or (fma_tile(N) if M <= FMA_MAX_ROWS else DOT_TILE)
     if t.cols:
         raise ValueError(f"skinny_linear: cols is the one-row in_proj_conv / out_proj_add kernels' knob, got {t.cols}")
@@ -204,10 +226,10 @@ def skinny_linear_triton(
     else:
         split = max(1, t.split_k)
         # NOTE: fp32 partials [split, M, N]: a second launch sums them in a fixed order
-        out = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-        launch_dot(x, weight, out, t, bias=bias, pending=pending)
+        dst = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+        launch_dot(x, weight, dst, t, bias=bias, pending=pending)
         if split > 1:
-            launch_split_reduce(out, bias, y)
+            launch_split_reduce(dst, bias, y)
     return y
 
 
@@ -234,17 +256,61 @@ def fma_tile(n: int) -> LinearTile:
     return FMA_TILE_NARROW if n <= 4096 else FMA_TILE
 
 
-def gemv_serves(x: Tensor, weight: Tensor) -> bool:
-    """Whether the weight-streaming GEMV is the faster choice for x @ weight^T: bf16 / fp16 on CUDA,
-    at most FMA_MAX_ROWS rows (decode steps of small batches), stride 1 on K."""
-    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FMA_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+def _streams(x: Tensor, weight: Tensor, max_rows: int) -> bool:
+    """bf16 / fp16 on CUDA, 1..max_rows rows, stride 1 on K: where the weight-streaming kernels were
+    measured against cuBLAS."""
+    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= max_rows and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and x.stride(1) == 1 and weight.stride(1) == 1)
 
 
+def gemv_serves(x: Tensor, weight: Tensor) -> bool:
+    """Whether the weight-streaming GEMV is the faster choice for x @ weight^T: bf16 / fp16 on CUDA,
+    at most FMA_MAX_ROWS rows (decode steps of small batches), stride 1 on K."""
+    return _streams(x, weight, FMA_MAX_ROWS)
+
+
+def few_rows_tile(n: int, sms: int) -> LinearTile | None:
+    """The DOT path's tile for a linear of `n` output columns at 2..DOT_MAX_ROWS rows on `sms` SMs, or
+    None where cuBLAS was the faster (the NOTE at DOT_MAX_ROWS)."""
+    tiles = cdiv(n, FEW_ROWS_TILE.block_n)
+    if tiles < sms:
+        return FEW_ROWS_TILE._replace(split_k=FEW_ROWS_SPLIT)
+    if 2 * tiles >= 3 * sms:
+        return FEW_ROWS_TILE
+    return None
+
+
+def streaming_tile(x: Tensor, weight: Tensor) -> LinearTile | None:
+    """The tile of the weight-streaming kernel that takes x @ weight^T on the Triton backend: the GEMV
+    at one row, the DOT path at 2..DOT_MAX_ROWS rows where `few_rows_tile` has one (bf16 / fp16 on
+    CUDA: decode steps of small batches); None for cuBLAS."""
+    if not _streams(x, weight, DOT_MAX_ROWS):
+        return None
+    if x.shape[0] <= FMA_MAX_ROWS:
+        return fma_tile(weight.shape[0])
+    return few_rows_tile(weight.shape[0], num_sms(x.device))
+
+
 def linear_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """The model's linear layers on the Triton backend: the weight-streaming kernel where it was
-    measured faster than cuBLAS (bf16 / fp16 on CUDA, at most FMA_MAX_ROWS rows: decode steps of
-    small batches), torch's F.linear (cuBLAS) everywhere else.  x [M, K], weight [N, K]."""
-    if gemv_serves(x, weight):
-        return skinny_linear_triton(x, weight, bias)
+    """The model's linear layers on the Triton backend: the weight-streaming kernels where they were
+    measured faster than cuBLAS (`streaming_tile`), torch's F.linear (cuBLAS) everywhere else.
+    x [M, K], weight [N, K]."""
+    tile = streaming_tile(x, weight)
+    if tile is not None:
+        return skinny_linear_triton(x, weight, bias, tile=tile)
     return linear_ref(x, weight, bias)
+
+
+def logits_triton(hidden: Tensor, weight: Tensor, out: Tensor | None = None) -> Tensor:
+    """The lm_head's fp32 logits on the Triton backend (`logits_ref`'s contract): the weight-streaming
+    kernels store their fp32 sums as cuBLAS's fp32-output launch does, where `streaming_tile` has a
+    tile; `logits_ref` elsewhere."""
+    # NOTE: graph-timed over weight copies past L2 (H200, benchmarks/hybrid_linear_gpu.py, RESULTS.md
+    # session 27), against torch.mm(out_dtype=fp32): the 2.7B lm_head [50288 x 2560] 66.6 -> 59.7 us at
+    # one row (4.32 TB/s), 1.07-1.10x at 2-32 rows; Bamba's [128256 x 4096] 274 -> 234 us, 1.04-1.09x
+    tile = streaming_tile(hidden, weight)
+    if tile is None:
+        return logits_ref(hidden, weight, out)
+    if out is None:
+        out = torch.empty((hidden.shape[0], weight.shape[0]), dtype=torch.float32, device=hidden.device)
+    return skinny_linear_triton(hidden, weight, tile=tile, out=out)

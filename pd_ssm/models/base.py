@@ -43,20 +43,9 @@ class CausalLM(nn.Module, ABC):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (only the rows the sampler needs are passed in); into
-        `out` [N, vocab] fp32 where given. On CUDA with bf16/fp16 weights one cuBLAS launch writes
-        the logits in fp32; elsewhere they are rounded to the weight's dtype, then cast."""
+        `out` [N, vocab] fp32 where given (kernels' `logits`: linear.logits_ref)."""
         weight = self.lm_head.weight
-        h = hidden.to(weight.dtype)
-        if weight.is_cuda and weight.dtype != torch.float32:
-            # NOTE: cuBLAS writes the fp32 logits of its fp32 sums, where linear + cast rounded them
-            # to the weight's dtype first and took a cast launch (RESULTS.md, session 21)
-            if out is None:
-                return torch.mm(h, weight.t(), out_dtype=torch.float32)
-            return torch.mm(h, weight.t(), out_dtype=torch.float32, out=out)
-        logits = nn.functional.linear(h, weight)
-        if out is None:
-            return logits.float()
-        return out.copy_(logits)
+        return self.kernels.logits(hidden.to(weight.dtype), weight, out)
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
