@@ -1,5 +1,6 @@
 """Where a decode step replayed from a CUDA graph spends its time, kernel by kernel, with PDL overlap
-counted: the Mamba2-2.7B shape, dummy weights, bf16, fp32 state, at batch 1 and 32.
+counted: the Mamba2-2.7B shape, dummy weights, bf16, fp32 state, at batch 1 and 32 (TIMELINE_BATCHES: any
+batches up to 32).
 
 An eager profile (profile_engine_gpu.py) gives each kernel's own duration; inside a graph with
 programmatic dependent launch the kernels overlap, so their durations do not add up to the step.
@@ -13,7 +14,8 @@ the host's cudaGraphLaunch call (start, end) against the last GPU kernel before 
 graph's first kernel (the trace's correlation ids tie a launch to its kernels); if the host ends
 its launch call before the GPU has drained, the idle is the GPU's own graph start.
 
-    PYTHONPATH=. python3 benchmarks/graph_timeline_gpu.py     (CUDA only; $OUT/graph_timeline.{json,txt})
+    PYTHONPATH=. [TIMELINE_BATCHES=1,8,32] python3 benchmarks/graph_timeline_gpu.py
+    (CUDA only; $OUT/graph_timeline.{json,txt})
 """
 
 from __future__ import annotations
@@ -103,6 +105,8 @@ def boundary_ops(events: list[dict[str, Any]]) -> list[str]:
         out.append(f"    {cat:11s} {ts - t0:8.1f} {dur:7.1f}  {name}")
     return out
 
+BATCHES = [int(b) for b in os.environ.get("TIMELINE_BATCHES", "1,32").split(",")]
+
 
 def main() -> None:
     out = Path(os.environ.get("OUT", "/tmp/out"))
@@ -112,7 +116,7 @@ def main() -> None:
     vocab = engine.model_config.vocab_size
     report: dict[str, Any] = {}
     lines: list[str] = []
-    for batch in (1, 32):
+    for batch in BATCHES:
         params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, detokenize=False, output_kind="delta")
         ids = [engine.add_request(torch.randint(1, vocab, (16,), generator=gen).tolist(), params).req_id
                for _ in range(batch)]
