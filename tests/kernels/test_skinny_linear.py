@@ -77,7 +77,7 @@ def test_linear_triton_routes_by_rows_and_dtype() -> None:
 
 def test_few_rows_tile_by_column_tiles() -> None:
     """K split where the 64-column tiles are fewer than the SMs, whole K from 1.5 SMs' worth, cuBLAS
-    (None) in between: the shapes of the NOTE at FEW_ROWS_TILE, on the H200's 132 SMs."""
+    (None) in between: the shapes of the NOTE at DOT_MAX_ROWS, on the H200's 132 SMs."""
     split = FEW_ROWS_TILE._replace(split_k=FEW_ROWS_SPLIT)
     for n in (1024, 2560, 4096, 64 * 131):  # k / v, the 2.7B out_proj, out_proj / down / q / o; 131 tiles
         assert few_rows_tile(n, 132) == split
