@@ -64,10 +64,10 @@ FMA_TILE = LinearTile(32, 256, 4, 3)
 FMA_TILE_NARROW = LinearTile(4, 512, 4, 4, prefetch_k=2048)  # N <= 4096
 # NOTE: at 32 and 128 rows this tile lost to cuBLAS (0.66-0.95x, too few programs without split-K;
 # session 7, 32-column tiles on mma v2): `linear_triton` takes FEW_ROWS_TILE up to 32 rows (below)
-# and cuBLAS past them. This one serves a pending
-# norm's in_proj (pending_norm.py, up to 32 rows): the scale rides its epilogue, where the norm's
-# launch it saves pays for what it loses to cuBLAS (decode batch 32 5.44 -> 5.36 ms, batch 8 3.25 ->
-# 3.10, RESULTS.md session 18); and, split along K, out_proj there (out_proj_add_triton.py).
+# and cuBLAS past them. This one serves a pending norm's in_proj (pending_norm.py, up to 32 rows):
+# the scale rides its epilogue, where the norm's launch it saves pays for what it loses to cuBLAS
+# (decode batch 32 5.44 -> 5.36 ms, batch 8 3.25 -> 3.10, RESULTS.md session 18); and, split along
+# K, out_proj there (out_proj_add_triton.py).
 # 32 columns (mma v2), where 64 (the wgmma's M, skinny_gemm_triton.dot_cols) streamed in_proj alone
 # faster at 32 rows (16.7 against 17.2-17.7 us, benchmarks/few_row_gemm_gpu.py) but lost in the
 # layer chains with the conv in its epilogue (235 registers, 2 programs per SM): 8 / 16 / 32 rows

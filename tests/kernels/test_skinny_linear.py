@@ -67,7 +67,8 @@ def test_bad_shapes_are_refused() -> None:
 
 
 def test_linear_triton_routes_by_rows_and_dtype() -> None:
-    """cuBLAS (F.linear) off CUDA, for fp32, and past FMA_MAX_ROWS; the results agree either way."""
+    """fp32 rows at 1, FMA_MAX_ROWS and one more: cuBLAS (F.linear) off CUDA and for fp32 (bf16 rows on
+    CUDA: test_linear_triton_few_rows_on_cuda); the results agree either way."""
     g = torch.Generator().manual_seed(5)
     w = torch.randn(24, 40, generator=g).to(DEVICE)
     for rows in (1, FMA_MAX_ROWS, FMA_MAX_ROWS + 1):
