@@ -8,7 +8,8 @@ out_proj (8192 -> 4096) as cuBLAS split-K at ~2.7 TB/s, where the larger project
 back-to-back calls in one CUDA graph, each on its own weight copy (past L2), as in
 benchmarks/linear_gpu.py; each is checked against the fp32 reference first.
 
-    PYTHONPATH=. [HYB_ROWS=2,4,8,16] [HYB_SHAPES=lm_head,...] python3 benchmarks/hybrid_linear_gpu.py
+    PYTHONPATH=. [HYB_ROWS=2,4,8,16] [HYB_SHAPES=lm_head,...] [HYB_TILES=64:128:4:4,...] [HYB_SPLITS=1,2,4] \
+        python3 benchmarks/hybrid_linear_gpu.py
     (CUDA only; JSON to $OUT/hybrid_linear.json)
 """
 
@@ -45,9 +46,12 @@ SHAPES = {
 if os.environ.get("HYB_SHAPES"):
     SHAPES = {k: v for k, v in SHAPES.items() if any(f in k for f in os.environ["HYB_SHAPES"].split(","))}
 ROWS = [int(r) for r in os.environ.get("HYB_ROWS", "2,4,8,16,32").split(",")]
+# HYB_TILES: "bn:bk:warps:stages,..." ; HYB_SPLITS: "1,2,4"
+_TILE_SPECS = [tuple(int(v) for v in t.split(":")) for t in
+               os.environ.get("HYB_TILES", "32:128:4:4,64:128:4:4,64:256:4:3,128:128:8:3").split(",")]
 TILES = {f"dot {bn}x{bk} w{w} s{st} split {sk}": LinearTile(bn, bk, w, st, split_k=sk)
-         for bn, bk, w, st in ((32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 3))
-         for sk in (1, 2, 4)}
+         for bn, bk, w, st in _TILE_SPECS
+         for sk in (int(v) for v in os.environ.get("HYB_SPLITS", "1,2,4").split(","))}
 
 
 def main() -> None:

@@ -181,7 +181,7 @@ def plan_scan(sh: ScanShape, cfg: SSDConfig, interpreted: bool) -> ScanPlan:
         stages = max(1, min(cfg.serial_stages, 1 + _SERIAL_TILE_BUDGET // stage_bytes))
         state_tiles = ((serial_bk, P), (serial_bk, serial_bn)) if state_tma else None
         serial_launch = Launch(
-            (H, S, cdiv(N, serial_bn)), (*sizes, sh.chunk_size // Q),
+            (cdiv(N, serial_bn), H, S), (*sizes, sh.chunk_size // Q),
             dict(**dt_args, TMA=state_tma, RETURN_BOUNDARY=sh.boundaries, STEP=step, BLOCK_K=serial_bk,
                  BLOCK_P=BP, BLOCK_N=serial_bn, num_warps=cfg.serial_warps, num_stages=stages, **dot))
     else:

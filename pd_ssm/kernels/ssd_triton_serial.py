@@ -6,9 +6,9 @@ batches of short sequences (SSDConfig.serial_max_tokens). Those two write each c
 read it back (0.67 GB at 1 x 32768 on Mamba2-2.7B shapes, a third of what the four launches move); here a
 chunk's end state lives only in registers: the program adds it to the running state it carries and
 stores just the state entering each chunk, which the scan needs anyway. The price is parallelism:
-H * S * (N / BLOCK_N) programs, each sequential over its sequence's chunks; the chunks' loads do
-not depend on the running state, so the loop's software pipeline fetches the next step's tiles
-while one is reduced.
+H * S * (N / BLOCK_N) programs (grid [N / BLOCK_N, H, S]), each sequential over its sequence's
+chunks; the chunks' loads do not depend on the running state, so the loop's software pipeline
+fetches the next step's tiles while one is reduced.
 
 The loop runs over steps of STEP tokens (a whole chunk, or CHUNK / STEP steps of one), counted so
 that no step lies wholly past a chunk's end: where boundary states tie chunks to absolute
@@ -76,9 +76,13 @@ def _ssd_state_serial_kernel(
     BLOCK_K: tl.constexpr,  # rows of a step's tiles: STEP, or CHUNK_PAD when STEP is CHUNK
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    h = tl.program_id(0)
-    s = tl.program_id(1)
-    nb = tl.program_id(2)
+    # NOTE: the dstate blocks of one (head, sequence) are neighbours in the grid, so they run at the
+    # same time and the second reads the x tiles the first brought into L2; with the blocks on the
+    # slowest axis a whole grid of programs ran between them and x came from DRAM twice (ncu, H200,
+    # 16 x 1024 tokens: DRAM 68% busy, L2 hit rate 53%)
+    nb = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
     first = tl.load(seq_first_ptr + s)
     c0 = tl.load(cu_ptr + s)
     c1 = tl.load(cu_ptr + s + 1)

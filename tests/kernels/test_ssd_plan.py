@@ -73,7 +73,7 @@ def test_short_sequences_walk_serially_in_smaller_chunks() -> None:
     sh = shape([1024] * 16)
     plan = plan_scan(sh, default_config(torch.bfloat16, sh.T), False)
     assert plan.serial is not None and plan.state is None and plan.passing is None and plan.dt is None
-    assert plan.Q == 128 and plan.serial.grid == (H, 16, N // 64)
+    assert plan.Q == 128 and plan.serial.grid == (N // 64, H, 16)
     assert plan.serial.scalars[-1] == 2  # model chunks are two kernel chunks
     assert plan.work_sizes[2] == 0  # no fp32 chunk-state round trip
 
