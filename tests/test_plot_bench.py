@@ -1,0 +1,78 @@
+"""scripts/plot_bench.py: `pd-ssm bench engine|kernels --json` results drawn as PNGs (CPU, matplotlib)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("matplotlib", reason="the plots need matplotlib (a test extra)")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "plot_bench.py"
+
+
+def load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("plot_bench", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["plot_bench"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+plot_bench = load_script()
+
+
+def engine_result(rng: random.Random) -> dict[str, Any]:
+    """`bench engine`'s JSON shape (pd_ssm/bench/engine.py BenchRow), random figures."""
+    rows = []
+    for name, kind, met in (("prefill 2048 tok, batch 1", "matmul", None), ("decode batch 1", "memory", True),
+                            ("decode batch 32", "memory", False)):
+        floor = rng.uniform(1.0, 20.0)
+        rows.append(dict(name=name, measured_ms=floor * rng.uniform(1.05, 1.6), floor_ms=floor, floor_kind=kind,
+                         target="<= 1.25 x floor", met=met, bytes_moved=rng.randint(1, 10**10), note=""))
+    return dict(device="NVIDIA H200", model="dummy", dtype="bfloat16", rows=rows)
+
+
+def kernels_result(rng: random.Random) -> dict[str, Any]:
+    """`bench kernels`' JSON shape (pd_ssm/bench/kernels.py), random figures; one row without a baseline."""
+    rows = []
+    for kernel, shape, base in (("ssd", "1x8192", True), ("selective_state_update [graph]", "batch 64", True),
+                                ("rms_norm_gated", "2048 tokens", False)):
+        ms = rng.uniform(0.01, 1.0)
+        base_ms = ms * rng.uniform(0.8, 3.0) if base else None
+        rows.append(dict(kernel=kernel, shape=shape, ms=ms, gbps=rng.uniform(100, 4000),
+                         pct_copy=rng.uniform(1, 99), tflops=rng.uniform(0, 500), pct_mma=rng.uniform(0, 60),
+                         baseline_ms=base_ms, speedup=base_ms / ms if base_ms else None,
+                         note="" if base else "baseline not available"))
+    return dict(copy_gbps=4200.0, bf16_mma_tflops=780.0, device="NVIDIA H200", rows=rows)
+
+
+@pytest.mark.parametrize("kind", ["engine", "kernels"])
+def test_draws_a_png_of_each_kind(tmp_path: Path, kind: str) -> None:
+    rng = random.Random(7)
+    result = engine_result(rng) if kind == "engine" else kernels_result(rng)
+    src = tmp_path / f"{kind}.json"
+    src.write_text(json.dumps(result))
+    out = tmp_path / "plots" / f"{kind}.png"
+    assert plot_bench.read_result(src)[0] == kind
+    assert plot_bench.main([str(src), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_refuses_what_no_bench_wrote(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rows": [{"name": "x"}]}))
+    with pytest.raises(ValueError, match="neither"):
+        plot_bench.read_result(bad)
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps([1, 2]))
+    assert plot_bench.main([str(empty), "--out", str(tmp_path / "x.png")]) == 2
+    assert "not a `pd-ssm bench" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
