@@ -197,6 +197,46 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench_serve(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("serve", help="a workload against a running OpenAI-compatible server (pd-ssm, vLLM, "
+                                       "SGLang): throughput, TTFT, TPOT, ITL")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (http://host:port)")
+    p.add_argument("--model", default=None, help="default: the first model of the server's /v1/models")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens (random ids)")
+    p.add_argument("--output-len", type=int, default=64, help="generated tokens (max_tokens, ignore_eos)")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests a second, Poisson arrivals (default inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    p.add_argument("--token-range", default="0:256", help="prompt ids are drawn from [lo, hi)")
+    p.add_argument("--no-token-ids", dest="return_token_ids", action="store_false",
+                   help="do not ask for token ids in the stream (a server without vLLM's return_token_ids)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="FILE", help="write the figures and every request to FILE")
+    p.set_defaults(func=_bench_serve)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from pd_ssm.bench.serving import ServeBenchOptions, main_serve
+    from pd_ssm.bench.workload import WorkloadSpec
+
+    try:
+        lo, hi = (int(v) for v in args.token_range.split(":"))
+        opts = ServeBenchOptions(
+            base_url=args.base_url, model=args.model, api_key=args.api_key, max_concurrency=args.max_concurrency,
+            return_token_ids=args.return_token_ids,
+            workload=WorkloadSpec(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+                                  range_ratio=args.range_ratio, request_rate=args.request_rate, seed=args.seed,
+                                  token_low=lo, token_high=hi),
+        )
+        return main_serve(opts, args.json)
+    except (ValueError, OSError) as e:
+        print(f"pd-ssm: error: bench serve: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pd-ssm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -209,10 +249,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
-    bench = sub.add_parser("bench", help="benchmarks on a CUDA device").add_subparsers(dest="bench", required=True)
+    bench = sub.add_parser("bench", help="benchmarks: engine, kernels, transfer, serve").add_subparsers(
+        dest="bench", required=True)
     _add_bench_engine(bench)
     _add_bench_kernels(bench)
     _add_bench_transfer(bench)
+    _add_bench_serve(bench)
     from pd_ssm.orchestrator.serve_cli import add_serve_parser
 
     add_serve_parser(sub)

@@ -1,0 +1,106 @@
+"""`pd-ssm bench serve`: a workload (workload.py) sent to a running OpenAI-compatible server, each
+request streamed and timed (client.py), the figures summarized (metrics.py).
+
+Requests are sent at their workload times, each on its own connection, at most `max_concurrency`
+in flight (the rest wait for a slot, as clients behind a connection pool would). The server may be
+pd-ssm's router (`pd-ssm serve`, colocated or `--disagg`) or vLLM's or SGLang's: only the OpenAI
+API is used. The model name comes from the server's /v1/models where not given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pd_ssm.bench.client import RequestResult, Target, run_request
+from pd_ssm.bench.metrics import ServingMetrics, format_table, summarize
+from pd_ssm.bench.workload import WorkloadSpec, make_workload
+
+
+@dataclass(slots=True)
+class ServeBenchOptions:
+    base_url: str
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    model: str | None = None  # None: the first model the server lists
+    api_key: str | None = None
+    max_concurrency: int | None = None  # None: no cap
+    return_token_ids: bool = True  # False for servers without vLLM's extra: tokens counted from usage
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+
+
+def served_model(base_url: str, api_key: str | None, timeout: float = 10.0) -> str:
+    """The first model id of the server's /v1/models."""
+    req = urllib.request.Request(base_url.rstrip("/") + "/v1/models",
+                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        data = json.loads(r.read())["data"]
+    if not data:
+        raise ValueError(f"{base_url} serves no model")
+    return str(data[0]["id"])
+
+
+async def _run(opts: ServeBenchOptions, target: Target,
+               on_result: Callable[[RequestResult], None] | None) -> tuple[list[RequestResult], float]:
+    requests = make_workload(opts.workload)
+    slots = asyncio.Semaphore(opts.max_concurrency or len(requests))
+    t0 = time.perf_counter()
+
+    async def one(i: int) -> RequestResult:
+        req = requests[i]
+        await asyncio.sleep(max(0.0, t0 + req.send_at - time.perf_counter()))
+        async with slots:
+            res = await run_request(target, req)
+        if on_result is not None:
+            on_result(res)
+        return res
+
+    results = await asyncio.gather(*(one(i) for i in range(len(requests))))
+    return list(results), time.perf_counter() - t0
+
+
+def run_serve_bench(opts: ServeBenchOptions, on_result: Callable[[RequestResult], None] | None = None
+                    ) -> tuple[ServingMetrics, dict[str, Any]]:
+    """Run the workload against the server; (the figures, everything as JSON-ready data)."""
+    model = opts.model or served_model(opts.base_url, opts.api_key)
+    target = Target(opts.base_url, model, opts.api_key, opts.return_token_ids)
+    target.address()  # a bad URL fails here, before any request
+    results, duration = asyncio.run(_run(opts, target, on_result))
+    metrics = summarize(results, duration)
+    errors = sorted({r.error for r in results if not r.ok})
+    data = {"base_url": opts.base_url, "model": model, "workload": asdict(opts.workload),
+            "max_concurrency": opts.max_concurrency, "metrics": metrics.as_dict(), "errors": errors[:20],
+            "requests": [asdict(r) for r in results]}
+    return metrics, data
+
+
+def main_serve(opts: ServeBenchOptions, json_path: str | None) -> int:
+    """The CLI's `bench serve`: progress on stderr, the table on stdout, JSON on request; 1 if any request failed."""
+    n = opts.workload.num_prompts
+    done = 0
+
+    def progress(r: RequestResult) -> None:
+        nonlocal done
+        done += 1
+        if done == n or done % max(1, n // 10) == 0 or not r.ok:
+            print(f"[bench] {done}/{n} requests" + ("" if r.ok else f" (request {r.index} failed: {r.error})"),
+                  file=sys.stderr, flush=True)
+
+    metrics, data = run_serve_bench(opts, progress)
+    w = opts.workload
+    print(format_table(metrics, f"pd-ssm bench serve: {data['model']} at {opts.base_url}, {w.num_prompts} prompts "
+                                f"of ~{w.input_len} tokens -> ~{w.output_len}, rate {w.request_rate} req/s"))
+    if data["errors"]:
+        print("errors: " + "; ".join(data["errors"][:5]))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(data, f, indent=1, default=str)
+    return 0 if metrics.failed == 0 else 1
