@@ -1,13 +1,15 @@
-"""A `pd-ssm bench engine` or `pd-ssm bench kernels` result (its `--json FILE`) as a PNG.
+"""A `pd-ssm bench engine | kernels | serve` result (its `--json FILE`) as a PNG.
 
     python scripts/plot_bench.py engine.json --out engine.png
     python scripts/plot_bench.py kernels.json --out kernels.png
+    python scripts/plot_bench.py serve.json --out serve.png
 
 engine: each step's time as a multiple of its roofline floor (weights + state + KV bytes over the
 copy bandwidth, or FLOPs over the matmul rate for prefill), coloured by its target (met, missed,
 none), with the milliseconds beside each bar. kernels: each kernel's share of the ceiling that
 bounds it (copy bandwidth or bf16 matmul rate, measured in the same run) and its speedup over
-mamba_ssm where the baseline ran. Needs matplotlib (not a pd_ssm dependency).
+mamba_ssm where the baseline ran. serve: the distributions (CDFs) of TTFT and TPOT over the
+completed requests, with the throughput in the title. Needs matplotlib (not a pd_ssm dependency).
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ MET, MISSED, NONE = "#2e7d32", "#c62828", "#757575"
 
 
 def read_result(path: Path) -> tuple[str, dict[str, Any]]:
-    """('engine' | 'kernels', the JSON) of a bench result file; a clear error for anything else."""
+    """('engine' | 'kernels' | 'serve', the JSON) of a bench result file; a clear error for anything else."""
     result = json.loads(path.read_text())
+    if isinstance(result, dict) and "metrics" in result and "requests" in result:
+        return "serve", result
     rows = result.get("rows") if isinstance(result, dict) else None
     if not rows:
-        raise ValueError(f"{path}: no 'rows': not a `pd-ssm bench engine|kernels --json` file")
+        raise ValueError(f"{path}: no 'rows': not a `pd-ssm bench engine|kernels|serve --json` file")
     if all("measured_ms" in r and "floor_ms" in r for r in rows):
         return "engine", result
     if all("kernel" in r and "ms" in r for r in rows):
@@ -97,6 +101,29 @@ def plot_kernels(result: dict[str, Any], out: Path) -> None:
     _save(fig, plt, out)
 
 
+def plot_serve(result: dict[str, Any], out: Path) -> None:
+    plt = _pyplot()
+    done = [r for r in result["requests"] if r["ok"]]
+    ttft = sorted(1e3 * r["ttft"] for r in done)
+    tpot = sorted(1e3 * (r["latency"] - r["ttft"]) / (r["output_tokens"] - 1) for r in done if r["output_tokens"] > 1)
+    m, w = result["metrics"], result["workload"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=120)
+    for ax, values, name in ((axes[0], ttft, "TTFT"), (axes[1], tpot, "TPOT")):
+        if values:
+            ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], drawstyle="steps-post")
+            for p, ls in (("p50", "--"), ("p99", ":")):  # the figures of the run's table
+                v = m[f"{name.lower()}_ms"][p]
+                ax.axvline(v, color="grey", ls=ls, lw=0.8, label=f"{p} {v:.1f} ms")
+            ax.legend(fontsize=8, loc="lower right")
+        ax.set_xlabel(f"{name} (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"pd-ssm bench serve: {result.get('model', '?')}, {m['completed']} requests ({m['failed']} failed) of "
+                 f"~{w['input_len']} -> ~{w['output_len']} tokens at {w['request_rate']} req/s: "
+                 f"{m['request_throughput']:.2f} req/s, {m['output_throughput']:.0f} output tok/s", fontsize=9)
+    _save(fig, plt, out)
+
+
 def _save(fig: Any, plt: Any, out: Path) -> None:
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -106,7 +133,7 @@ def _save(fig: Any, plt: Any, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("result", type=Path, help="the JSON written by `pd-ssm bench engine|kernels --json FILE`")
+    p.add_argument("result", type=Path, help="the JSON written by `pd-ssm bench engine|kernels|serve --json FILE`")
     p.add_argument("--out", type=Path, required=True, help="the PNG to write")
     a = p.parse_args(argv)
     try:
@@ -114,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"plot_bench: {e}", file=sys.stderr)
         return 2
-    (plot_engine if kind == "engine" else plot_kernels)(result, a.out)
+    {"engine": plot_engine, "kernels": plot_kernels, "serve": plot_serve}[kind](result, a.out)
     print(a.out)
     return 0
 

@@ -1,4 +1,4 @@
-"""scripts/plot_bench.py: `pd-ssm bench engine|kernels --json` results drawn as PNGs (CPU, matplotlib)."""
+"""scripts/plot_bench.py: `pd-ssm bench engine|kernels|serve --json` results drawn as PNGs (CPU, matplotlib)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,16 @@ import importlib.util
 import json
 import random
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+
+from pd_ssm.bench.client import RequestResult
+from pd_ssm.bench.metrics import summarize
+from pd_ssm.bench.workload import WorkloadSpec
 
 pytest.importorskip("matplotlib", reason="the plots need matplotlib (a test extra)")
 
@@ -54,10 +59,24 @@ def kernels_result(rng: random.Random) -> dict[str, Any]:
     return dict(copy_gbps=4200.0, bf16_mma_tflops=780.0, device="NVIDIA H200", rows=rows)
 
 
-@pytest.mark.parametrize("kind", ["engine", "kernels"])
+def serve_result(rng: random.Random) -> dict[str, Any]:
+    """`bench serve`'s JSON shape (pd_ssm/bench/serving.py), from random request timings."""
+    results = []
+    for i in range(20):
+        r = RequestResult(i, prompt_tokens=rng.randint(8, 64), ok=i != 3)
+        r.ttft = rng.uniform(0.02, 0.3)
+        r.token_times = sorted(r.ttft + rng.uniform(0.0, 0.5) for _ in range(rng.randint(2, 12)))
+        r.token_times[0] = r.ttft
+        r.output_tokens, r.latency = len(r.token_times), r.token_times[-1]
+        results.append(r)
+    return {"model": "m", "workload": asdict(WorkloadSpec(num_prompts=20)),
+            "metrics": summarize(results, 1.5).as_dict(), "requests": [asdict(r) for r in results]}
+
+
+@pytest.mark.parametrize("kind", ["engine", "kernels", "serve"])
 def test_draws_a_png_of_each_kind(tmp_path: Path, kind: str) -> None:
     rng = random.Random(7)
-    result = engine_result(rng) if kind == "engine" else kernels_result(rng)
+    result = {"engine": engine_result, "kernels": kernels_result, "serve": serve_result}[kind](rng)
     src = tmp_path / f"{kind}.json"
     src.write_text(json.dumps(result))
     out = tmp_path / "plots" / f"{kind}.png"

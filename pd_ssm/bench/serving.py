@@ -70,9 +70,9 @@ async def _run(opts: ServeBenchOptions, target: Target,
 def run_serve_bench(opts: ServeBenchOptions, on_result: Callable[[RequestResult], None] | None = None
                     ) -> tuple[ServingMetrics, dict[str, Any]]:
     """Run the workload against the server; (the figures, everything as JSON-ready data)."""
+    Target(opts.base_url, "").address()  # a bad URL fails here, before the server is asked anything
     model = opts.model or served_model(opts.base_url, opts.api_key)
     target = Target(opts.base_url, model, opts.api_key, opts.return_token_ids)
-    target.address()  # a bad URL fails here, before any request
     results, duration = asyncio.run(_run(opts, target, on_result))
     metrics = summarize(results, duration)
     errors = sorted({r.error for r in results if not r.ok})

@@ -55,6 +55,5 @@ def test_bench_serve_cli_reports_failures(api_server: Serve, tmp_path: Path) -> 
     bad = subprocess.run([*base, "--model", api_server.model_name(), "--api-key", "wrong"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 1 and "0 completed, 3 failed" in bad.stdout and "HTTP 401" in bad.stdout
-    url = subprocess.run([*base[:5], "--base-url", "ftp://nowhere", "--model", "m"], capture_output=True, text=True,
-                         timeout=60)
+    url = subprocess.run([*base[:5], "--base-url", "ftp://nowhere"], capture_output=True, text=True, timeout=60)
     assert url.returncode == 2 and "http://host:port" in url.stderr
