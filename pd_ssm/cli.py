@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -201,6 +202,12 @@ def _add_bench_serve(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser("serve", help="a workload against a running OpenAI-compatible server (pd-ssm, vLLM, "
                                        "SGLang): throughput, TTFT, TPOT, ITL")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (http://host:port)")
+    p.add_argument("--launch", default=None, choices=["colocated", "disagg", "both"],
+                   help="start the deployment(s) on this machine instead of --base-url (both: colocated, then "
+                        "--disagg, same workload), benchmark and stop each; they get --serve-args")
+    p.add_argument("--serve-args", default="", metavar="ARGS",
+                   help='flags for each launched `pd-ssm serve`, one string, e.g. "--model DIR --device cuda '
+                        '--num-prefill 1 --num-decode 1 --connector nccl"')
     p.add_argument("--model", default=None, help="default: the first model of the server's /v1/models")
     p.add_argument("--api-key", default=None)
     p.add_argument("--num-prompts", type=int, default=100)
@@ -213,6 +220,7 @@ def _add_bench_serve(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--token-range", default="0:256", help="prompt ids are drawn from [lo, hi)")
     p.add_argument("--no-token-ids", dest="return_token_ids", action="store_false",
                    help="do not ask for token ids in the stream (a server without vLLM's return_token_ids)")
+    p.add_argument("--warmup-requests", type=int, default=1, help="untimed short requests sent first")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="FILE", help="write the figures and every request to FILE")
     p.set_defaults(func=_bench_serve)
@@ -226,13 +234,14 @@ def _bench_serve(args: argparse.Namespace) -> int:
         lo, hi = (int(v) for v in args.token_range.split(":"))
         opts = ServeBenchOptions(
             base_url=args.base_url, model=args.model, api_key=args.api_key, max_concurrency=args.max_concurrency,
-            return_token_ids=args.return_token_ids,
+            return_token_ids=args.return_token_ids, warmup_requests=args.warmup_requests,
             workload=WorkloadSpec(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
                                   range_ratio=args.range_ratio, request_rate=args.request_rate, seed=args.seed,
                                   token_low=lo, token_high=hi),
         )
-        return main_serve(opts, args.json)
-    except (ValueError, OSError) as e:
+        kinds = None if args.launch is None else ["colocated", "disagg"] if args.launch == "both" else [args.launch]
+        return main_serve(opts, args.json, kinds, shlex.split(args.serve_args))
+    except (ValueError, OSError, RuntimeError) as e:
         print(f"pd-ssm: error: bench serve: {e}", file=sys.stderr)
         return 2
 

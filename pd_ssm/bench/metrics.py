@@ -91,3 +91,17 @@ def format_table(m: ServingMetrics, title: str) -> str:
     for name, d in (("TTFT", m.ttft_ms), ("TPOT", m.tpot_ms), ("ITL", m.itl_ms), ("E2E", m.e2e_ms)):
         lines.append(f"{name:<6}{d.mean:>10.2f}{d.p50:>10.2f}{d.p90:>10.2f}{d.p99:>10.2f}")
     return "\n".join(lines)
+
+
+def format_comparison(runs: list[tuple[str, ServingMetrics]]) -> str:
+    """The same workload's figures on several deployments, side by side."""
+    lines = [f"{'':<22}" + "".join(f"{name:>14}" for name, _ in runs)]
+    rows: list[tuple[str, str]] = [("req/s", "request_throughput"), ("output tok/s", "output_throughput")]
+    for label, attr in rows:
+        lines.append(f"{label:<22}" + "".join(f"{getattr(m, attr):>14.2f}" for _, m in runs))
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        for p in ("p50", "p99"):
+            lines.append(f"{name.upper() + ' ' + p + ' (ms)':<22}"
+                         + "".join(f"{getattr(getattr(m, name + '_ms'), p):>14.2f}" for _, m in runs))
+    lines.append(f"{'failed':<22}" + "".join(f"{m.failed:>14d}" for _, m in runs))
+    return "\n".join(lines)
