@@ -125,6 +125,7 @@ def main_serve(opts: ServeBenchOptions, json_path: str | None, launch_kinds: lis
         if kind:
             print(f"[bench{label}] starting the deployment", file=sys.stderr, flush=True)
             server = launch(kind, serve_args or [])
+            print(f"[bench{label}] serving at {server.url} (its log: {server.log})", file=sys.stderr, flush=True)
             run_opts = replace(opts, base_url=server.url)
         else:
             server, run_opts = None, opts
