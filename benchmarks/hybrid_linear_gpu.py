@@ -54,6 +54,13 @@ TILES = {f"dot {bn}x{bk} w{w} s{st} split {sk}": LinearTile(bn, bk, w, st, split
          for sk in (int(v) for v in os.environ.get("HYB_SPLITS", "1,2,4").split(","))}
 
 
+def weight_copies(N: int, K: int, g: torch.Generator) -> list[torch.Tensor]:
+    """Random bf16 [N, K] weights on g's device, copies enough for >= 1 GB (far past L2), 4 to 32 of them:
+    a graph of back-to-back calls, one copy each, streams every weight from DRAM."""
+    copies = max(4, min(32, (1 << 30) // (N * K * 2)))
+    return [torch.randn(N, K, device=g.device, generator=g).bfloat16() * 0.02 for _ in range(copies)]
+
+
 def main() -> None:
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -61,8 +68,7 @@ def main() -> None:
     g = torch.Generator(device=dev).manual_seed(0)
     results: list[dict[str, Any]] = []
     for name, (N, K) in SHAPES.items():
-        copies = max(4, min(32, (1 << 30) // (N * K * 2)))  # >= 1 GB of weights: far past L2
-        ws = [torch.randn(N, K, device=dev, generator=g).bfloat16() * 0.02 for _ in range(copies)]
+        ws = weight_copies(N, K, g)
         nbytes = N * K * 2
         for M in ROWS:
             x = torch.randn(M, K, device=dev, generator=g).bfloat16()

@@ -41,6 +41,7 @@ import triton.language as tl
 from torch import Tensor
 
 from benchmarks.hybrid_linear_gpu import SHAPES as ALL_SHAPES
+from benchmarks.hybrid_linear_gpu import weight_copies
 from benchmarks.linear_gpu import graph_time_us
 from pd_ssm.kernels._device import num_sms, on_device
 from pd_ssm.kernels._grid import cdiv, pow2
@@ -170,8 +171,7 @@ def main() -> None:
     g = torch.Generator(device=dev).manual_seed(0)
     results: list[dict[str, Any]] = []
     for name, (N, K) in SHAPES.items():
-        copies = max(4, min(32, (1 << 30) // (N * K * 2)))  # >= 1 GB of weights: far past L2
-        ws = [torch.randn(N, K, device=dev, generator=g).bfloat16() * 0.02 for _ in range(copies)]
+        ws = weight_copies(N, K, g)
         nbytes = N * K * 2
         for M in ROWS:
             x = torch.randn(M, K, device=dev, generator=g).bfloat16()

@@ -28,14 +28,19 @@ class LaunchedServer:
     log: Path
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, 20.0)
+
+
+def stop_process(proc: subprocess.Popen[str], grace: float) -> int:
+    """SIGTERM a `pd-ssm serve` (it stops its workers), SIGKILL it after `grace` seconds; its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 def serve_argv(kind: str, serve_args: list[str]) -> list[str]:

@@ -54,9 +54,8 @@ def served_model(base_url: str, api_key: str | None, timeout: float = 10.0) -> s
     return str(data[0]["id"])
 
 
-async def _run(opts: ServeBenchOptions, target: Target,
+async def _run(opts: ServeBenchOptions, requests: list[BenchRequest], target: Target,
                on_result: Callable[[RequestResult], None] | None) -> tuple[list[RequestResult], float]:
-    requests = make_workload(opts.workload)
     slots = asyncio.Semaphore(opts.max_concurrency or len(requests))
     t0 = time.perf_counter()
 
@@ -79,12 +78,12 @@ def run_serve_bench(opts: ServeBenchOptions, on_result: Callable[[RequestResult]
     Target(opts.base_url, "").address()  # a bad URL fails here, before the server is asked anything
     model = opts.model or served_model(opts.base_url, opts.api_key)
     target = Target(opts.base_url, model, opts.api_key, opts.return_token_ids)
-    first = make_workload(opts.workload)[0]
+    requests = make_workload(opts.workload)
     for _ in range(opts.warmup_requests):
-        warm = asyncio.run(run_request(target, BenchRequest(-1, first.prompt[:16], 2, 0.0)))
+        warm = asyncio.run(run_request(target, BenchRequest(-1, requests[0].prompt[:16], 2, 0.0)))
         if not warm.ok:
             raise RuntimeError(f"the warm-up request to {opts.base_url} failed: {warm.error}")
-    results, duration = asyncio.run(_run(opts, target, on_result))
+    results, duration = asyncio.run(_run(opts, requests, target, on_result))
     metrics = summarize(results, duration)
     errors = sorted({r.error for r in results if not r.ok})
     data = {"base_url": opts.base_url, "model": model, "workload": asdict(opts.workload),

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from pd_ssm.bench.deploy import stop_process
 
 # small pools: the tests look at page counts, and CPU memory is shared by every worker
 ENGINE_FLAGS = ["--max-num-seqs", "8", "--num-kv-blocks", "128", "--block-size", "16"]
@@ -82,14 +83,7 @@ class Serve:
         raise TimeoutError(f"{n} healthy workers not seen in {timeout} s:\n{self.log.read_text()[-3000:]}")
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, 15.0)
 
 
 @pytest.fixture(scope="session")
