@@ -6,9 +6,15 @@ pending tokens are all fed this step (the others are mid-prefill and sample noth
 
 Decode-only steps go through `graphs` (cuda_graphs.DecodeGraphs) when the engine captured them and
 the batch fits the largest bucket, prefill-only steps through `prefill_graphs`
-(prefill_graphs.PrefillGraphs) when a bucket holds them; steps that mix decodes and prefill chunks,
-and every step on the CPU or with enforce_eager, run eagerly.  All paths return the same logits
-for the same batch.
+(prefill_graphs.PrefillGraphs) when a bucket holds them.  A step that mixes decodes and prefill
+chunks (a colocated engine admitting a prompt while others decode) runs as its two halves, the
+prefill chunks' graph and then the decodes' graph, when both have one: every sequence's state is
+its own (no layer mixes rows of different sequences but the linears, which compute each row alone),
+so the halves compute what one mixed forward does, and exactly what a disaggregated deployment's
+prefill and decode workers compute.  Eagerly, such a step launched both paths' kernels for every
+layer: ~0.1-0.2 s of host time at Mamba2-2.7B shape on an H200, against ~30 ms in the two graphs
+(benchmarks/RESULTS.md, session 29).  Everything else (every step on the CPU, with enforce_eager,
+or beyond the buckets) runs eagerly.  All paths return the same logits for the same batch.
 
 `launch` queues a step and its sampling without reading anything back (the sampled tokens stay on
 the device until the engine reads them, device_sample.py).  A decode row whose input token is still on
@@ -54,6 +60,7 @@ class ModelRunner:
         # prefill role: ships the pages of prefills that finish in a step, layer by layer (eager)
         self.layer_export: LayerExporter | None = None
         self.prefill_graphs: PrefillGraphs | None = None  # likewise, for prefill-only steps
+        self.split_steps = 0  # mixed steps run as a prefill graph and a decode graph
 
     def host_rows(self, sched: SchedulerOutput) -> tuple[VarlenRows, list[int]]:
         """Host values of the step (decodes first, then prefill chunks) and the flat rows that sample."""
@@ -153,6 +160,8 @@ class ModelRunner:
         # per-layer export of the prefills that finish in this step: a hook in an eager forward, or
         # after a graph prefill, copies gated on the graph's layer events (device staging only)
         stream = self.layer_export.begin(sched) if self.layer_export is not None else None
+        if stream is None and self._splits(sched):
+            return self._split_step(sched)
         pg = self.prefill_graphs
         if (pg is not None and not sched.decodes and pg.bucket(sched.num_tokens, len(sched.prefills)) is not None
                 and (stream is None or (pg.layer_events is not None and self.layer_export is not None
@@ -174,6 +183,27 @@ class ModelRunner:
             return torch.empty(0, device=self.device), []
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         return logits, sampling
+
+    def _splits(self, sched: SchedulerOutput) -> bool:
+        """Whether a mixed step runs as its prefill graph and its decode graph (module docstring)."""
+        pg = self.prefill_graphs
+        return (bool(sched.decodes) and bool(sched.prefills) and self.graphs is not None and pg is not None
+                and self.graphs.can_run(len(sched.decodes))
+                and pg.bucket(sum(s.num_new_tokens for s in sched.prefills), len(sched.prefills)) is not None)
+
+    def _split_step(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
+        assert self.graphs is not None and self.prefill_graphs is not None
+        # NOTE: the prefill half first, and its logits out of the graph's memory before the decode
+        # graph replays; the decode graph's logits (its static buffer) are copied by the cat
+        host, rows = self.host_rows(SchedulerOutput(prefills=sched.prefills))
+        hidden = self.prefill_graphs.run(host)
+        sampling = [seq.request for seq in sched.decodes]  # every decode row samples, first
+        sampling += [seq.request for seq in sched.prefills
+                     if seq.request.num_computed_tokens + seq.num_new_tokens == seq.request.num_tokens]
+        prefill_logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
+        decode_logits = self.graphs.run(self.decode_rows(sched.decodes))
+        self.split_steps += 1
+        return torch.cat([decode_logits, prefill_logits]) if prefill_logits is not None else decode_logits, sampling
 
     def launch(self, sched: SchedulerOutput, inflight: InflightStep | None = None) -> Launched:
         """Queue the step and its sampling; nothing is read back.  Decode rows of requests with a

@@ -2,7 +2,9 @@
 
 CPU: buckets, padding layout, static buffers, and the captured body run eagerly through the static
 buffers (`capture=False`) against the plain eager path — same greedy tokens, steps that need
-padding sequences.  GPU: captured prefill graphs against eager on tiny transformers checkpoints.
+padding sequences; steps that mix decodes and prefill chunks run as a prefill graph and a decode
+graph.  GPU: captured prefill graphs against eager on tiny transformers checkpoints, mixed steps
+included.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from pd_ssm import LLM, SamplingParams
+from pd_ssm.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from pd_ssm.engine.engine import Engine
 from pd_ssm.engine.prefill_graphs import (
     PrefillBuffers,
@@ -151,6 +154,34 @@ def test_static_buffer_path_matches_eager(name: str, seeded: bool, hf_checkpoint
     assert any(graphs.bucket(t, s) != (t, s) for t, s in seen), f"no step needed padding: {seen}"
 
 
+@pytest.mark.parametrize("name", ["mamba2-g1", "bamba-attn-middle", "nemotron-h"])
+@pytest.mark.parametrize("seeded", [False, True])
+def test_mixed_steps_run_as_a_prefill_and_a_decode_graph(name: str, seeded: bool, hf_checkpoint: Any) -> None:
+    path, _ = hf_checkpoint(name)
+    reference = generate(tiny_llm(path), name, seeded=seeded)
+    llm = tiny_llm(path)
+    engine = llm.engine
+    scratch, width = add_scratch_slot(engine)  # one scratch slot for both kinds, as on CUDA
+    decode = DecodeGraphs(engine.model, engine.pool, sizes=capture_sizes(8), scratch_slot=scratch, width=width,
+                          capture=False)
+    prefill = PrefillGraphs(engine.model, engine.pool, buckets=prefill_buckets(64, 8), scratch_slot=scratch,
+                            width=width, capture=False)
+    engine.runner.graphs, engine.runner.prefill_graphs = decode, prefill
+    mixed: list[tuple[int, int]] = []
+    inner = engine.runner._split_step
+
+    def split(sched: Any) -> Any:
+        mixed.append((len(sched.decodes), len(sched.prefills)))
+        return inner(sched)
+
+    engine.runner._split_step = split  # type: ignore[method-assign]
+    assert generate(llm, name, seeded=seeded) == reference
+    assert engine.runner.split_steps == len(mixed) >= 3, mixed
+    assert any(d > 1 for d, _ in mixed) and any(p > 1 for _, p in mixed), mixed
+    # every step ran in one of the two kinds of graph: none was eager
+    assert decode.replays >= len(mixed) and prefill.replays >= len(mixed)
+
+
 def test_warm_up_touches_only_the_scratch_slot(hf_checkpoint: Any) -> None:
     llm = tiny_llm(hf_checkpoint("nemotron-h")[0])
     graphs = install_static_prefill(llm.engine, [(16, 1), (16, 4), (32, 1), (32, 4)])
@@ -179,3 +210,14 @@ def test_prefill_graphs_match_eager_on_gpu(name: str, hf_checkpoint: Any) -> Non
     assert graphs.replays > replays
     off = tiny_llm(path, prefill_cuda_graphs=False, **gpu)
     assert off.engine.runner.prefill_graphs is None and generate(off, name) == reference
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["mamba2-g1", "bamba-attn-middle", "nemotron-h"])
+def test_mixed_steps_in_graphs_match_eager_on_gpu(name: str, hf_checkpoint: Any) -> None:
+    path, _ = hf_checkpoint(name)
+    gpu: dict[str, Any] = dict(device="cuda", kernel_backend="triton", gpu_memory_utilization=0.5, max_num_seqs=8)
+    reference = generate(tiny_llm(path, enforce_eager=True, **gpu), name)
+    llm = tiny_llm(path, **gpu)
+    assert generate(llm, name) == reference
+    assert llm.engine.runner.split_steps >= 3
