@@ -208,6 +208,9 @@ def _add_bench_serve(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--serve-args", default="", metavar="ARGS",
                    help='flags for each launched `pd-ssm serve`, one string, e.g. "--model DIR --device cuda '
                         '--num-prefill 1 --num-decode 1 --connector nccl"')
+    p.add_argument("--launch-timeout", type=float, default=120.0,
+                   help="seconds a launched deployment has to become healthy (real-size models on a GPU load and "
+                        "capture their CUDA graphs first)")
     p.add_argument("--model", default=None, help="default: the first model of the server's /v1/models")
     p.add_argument("--api-key", default=None)
     p.add_argument("--num-prompts", type=int, default=100)
@@ -240,7 +243,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
                                   token_low=lo, token_high=hi),
         )
         kinds = None if args.launch is None else ["colocated", "disagg"] if args.launch == "both" else [args.launch]
-        return main_serve(opts, args.json, kinds, shlex.split(args.serve_args))
+        return main_serve(opts, args.json, kinds, shlex.split(args.serve_args), args.launch_timeout)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"pd-ssm: error: bench serve: {e}", file=sys.stderr)
         return 2
@@ -285,9 +288,10 @@ def _is_setup_error(e: Exception) -> bool:
     from pd_ssm.engine.cuda_graphs import GraphCaptureError
     from pd_ssm.engine.memory_plan import InsufficientMemoryError
     from pd_ssm.kernels.dispatch import KernelNotAvailable
+    from pd_ssm.orchestrator.launcher import LaunchError
 
     return isinstance(e, (ValueError, FileNotFoundError, GraphCaptureError, InsufficientMemoryError,
-                          KernelNotAvailable))
+                          KernelNotAvailable, LaunchError))
 
 
 if __name__ == "__main__":

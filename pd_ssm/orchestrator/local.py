@@ -33,6 +33,7 @@ from types import FrameType
 
 import uvicorn
 
+from pd_ssm.orchestrator.launcher import WorkerLauncher, worker_args
 from pd_ssm.router.workers import WorkerPool
 from pd_ssm.worker.transfer_flags import CLUSTER_TOKEN_ENV
 
@@ -85,8 +86,6 @@ class LocalDeployment:
         if not self.disagg:
             return [f"w{i}" for i in range(self.num_workers)]
         return [f"p{i}" for i in range(self.num_prefill)] + [f"d{i}" for i in range(self.num_decode)]
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"--port must be in 0..65535 (0: pick a free one), got {self.port}")
 
 
 @dataclass(slots=True)
@@ -119,31 +118,13 @@ def _worker_env(dep: LocalDeployment, index: int, token: str) -> dict[str, str]:
     return env
 
 
-_MODULES = {"w": "pd_ssm.worker", "p": "pd_ssm.prefill_worker", "d": "pd_ssm.decode_worker"}
-
-
 def spawn_worker(dep: LocalDeployment, worker_id: str, router_address: str, index: int = 0,
                  token: str = "") -> WorkerProcess:
     """Start worker `worker_id` (its first letter names its role) as the `index`-th process."""
-    extra = dep.transfer_argv if dep.disagg else []
-    cmd = [sys.executable, "-m", _MODULES[worker_id[0]], "--worker-id", worker_id, "--router", router_address,
-           "--model", dep.model_dir, "--served-model-name", dep.served_model_name,
-           "--parent-pid", str(os.getpid()), "--log-level", dep.log_level, *dep.engine_argv, *extra]
+    cmd = [sys.executable, *worker_args(dep, worker_id, router_address, os.getpid())]
     proc = subprocess.Popen(cmd, env=_worker_env(dep, index, token), stdin=subprocess.DEVNULL)
     log.info("started worker %s (pid %d)", worker_id, proc.pid)
     return WorkerProcess(worker_id, proc)
-
-
-async def supervise(workers: list[WorkerProcess], pool: WorkerPool) -> None:
-    while True:
-        for w in workers:
-            code = w.proc.poll()
-            if code is not None and not w.reported:
-                w.reported = True
-                how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                log.error("worker %s (pid %d) %s", w.worker_id, w.proc.pid, how)
-                pool.mark_dead(w.worker_id, f"process {how}")
-        await asyncio.sleep(_SUPERVISE_PERIOD)
 
 
 def stop_workers(workers: list[WorkerProcess]) -> None:
@@ -160,6 +141,39 @@ def stop_workers(workers: list[WorkerProcess]) -> None:
             w.proc.wait()
 
 
+class ProcessLauncher:
+    """WorkerLauncher for one machine: every worker a child process of the launcher."""
+
+    def __init__(self, dep: LocalDeployment) -> None:
+        self.dep = dep
+        self.workers: list[WorkerProcess] = []
+
+    def control_host(self) -> str:
+        return "127.0.0.1" if self.dep.host in ("", "0.0.0.0", "::") else self.dep.host
+
+    def describe(self) -> str:
+        return "on this machine"
+
+    def start(self, pool: WorkerPool, token: str) -> None:
+        for index, (worker_id, handle) in enumerate(pool.workers.items()):
+            self.workers.append(spawn_worker(self.dep, worker_id, pool.address, index, token))
+            handle.pid = self.workers[-1].proc.pid  # /health shows it before the worker's hello
+
+    async def supervise(self, pool: WorkerPool) -> None:
+        while True:
+            for w in self.workers:
+                code = w.proc.poll()
+                if code is not None and not w.reported:
+                    w.reported = True
+                    how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                    log.error("worker %s (pid %d) %s", w.worker_id, w.proc.pid, how)
+                    pool.mark_dead(w.worker_id, f"process {how}")
+            await asyncio.sleep(_SUPERVISE_PERIOD)
+
+    def stop(self) -> None:
+        stop_workers(self.workers)
+
+
 def _ignore(signum: int, frame: FrameType | None) -> None:
     # uvicorn captures SIGINT / SIGTERM while it serves and re-raises them to the previous
     # handler after its graceful shutdown; this handler makes that re-raise harmless so the
@@ -167,22 +181,20 @@ def _ignore(signum: int, frame: FrameType | None) -> None:
     log.info("signal %d: shutting down", signum)
 
 
-async def serve(dep: LocalDeployment) -> int:
-    """Run the deployment until SIGINT / SIGTERM; returns the exit status."""
-    pool = WorkerPool("127.0.0.1" if dep.host in ("", "0.0.0.0", "::") else dep.host,
-                      expected=dep.worker_ids(),
+async def serve(dep: LocalDeployment, launcher: WorkerLauncher | None = None) -> int:
+    """Run the deployment until SIGINT / SIGTERM; returns the exit status. `launcher` places the
+    workers (default: child processes on this machine)."""
+    launcher = launcher if launcher is not None else ProcessLauncher(dep)
+    pool = WorkerPool(launcher.control_host(), expected=dep.worker_ids(),
                       health_interval=dep.health_interval, health_timeout=dep.health_timeout)
     sock = listen_socket(dep.host, dep.port)
-    workers: list[WorkerProcess] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _ignore)
     pool.start()
-    supervisor = asyncio.create_task(supervise(workers, pool))
+    supervisor: asyncio.Task[None] | None = None
     try:
-        token = secrets.token_hex(16)
-        for index, (worker_id, handle) in enumerate(pool.workers.items()):
-            workers.append(spawn_worker(dep, worker_id, pool.address, index, token))
-            handle.pid = workers[-1].proc.pid  # /health shows it before the worker's hello
+        launcher.start(pool, secrets.token_hex(16))
+        supervisor = asyncio.create_task(launcher.supervise(pool))
         # NOTE: imported only now: the router's tokenizer pulls in torch (seconds), which thus
         # loads while the workers load their engines instead of before they start
         from pd_ssm.router.app import Router, RouterConfig, create_app
@@ -193,13 +205,14 @@ async def serve(dep: LocalDeployment) -> int:
         host, port = sock.getsockname()[:2]
         what = (f"{dep.num_prefill} prefill + {dep.num_decode} decode worker(s) over {dep.connector}"
                 if dep.disagg else f"{dep.num_workers} worker(s)")
-        print(f"pd-ssm serve: {what}, model {dep.served_model_name!r}, listening on http://{host}:{port}",
-              flush=True)
+        print(f"pd-ssm serve: {what} {launcher.describe()}, model {dep.served_model_name!r}, "
+              f"listening on http://{host}:{port}", flush=True)
         config = uvicorn.Config(create_app(router), log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
         await uvicorn.Server(config).serve(sockets=[sock])
     finally:
-        supervisor.cancel()
-        await asyncio.to_thread(stop_workers, workers)
+        if supervisor is not None:
+            supervisor.cancel()
+        await asyncio.to_thread(launcher.stop)
         await pool.close()
         sock.close()
         log.info("stopped")

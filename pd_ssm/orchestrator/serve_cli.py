@@ -1,4 +1,5 @@
-"""`pd-ssm serve`: the flags of a local deployment (colocated, or `--disagg`), turned into a LocalDeployment.
+"""`pd-ssm serve`: the flags of a deployment (colocated, or `--disagg`), turned into a LocalDeployment,
+served with its workers on this machine or, with `--ray`, placed on a Ray cluster (orchestrator/ray.py).
 
 Engine flags are `pd-ssm generate`'s (`_engine_flags`, vLLM's names); they are re-rendered as argv
 for every worker, so a flag added there reaches the workers without a change here.
@@ -62,6 +63,20 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="picks the decode worker (--routing-policy picks the prefill worker)")
     d.add_argument("--gpus", default=None,
                    help="CUDA: comma-separated GPU index per worker, prefill workers first (default 0,1,...)")
+    r = p.add_argument_group("Ray (workers placed and supervised on a Ray cluster; the router stays here)")
+    r.add_argument("--ray", action="store_true",
+                   help="place every worker as a Ray actor (one placement-group bundle each) instead of a local child")
+    r.add_argument("--ray-address", default=None,
+                   help="cluster to join (e.g. auto, HOST:6379); default: $RAY_ADDRESS, a cluster on this machine, "
+                        "else a new local one")
+    r.add_argument("--ray-placement-strategy", default="PACK", help="PACK | SPREAD | STRICT_PACK | STRICT_SPREAD")
+    r.add_argument("--ray-cpus-per-worker", type=float, default=1.0, help="CPUs in each worker's bundle")
+    r.add_argument("--ray-role-resources", action="store_true",
+                   help="--disagg: prefill bundles ask for 1 pd_prefill, decode bundles for 1 pd_decode "
+                        "(the node types of deploy/cluster.yaml have them)")
+    r.add_argument("--ray-max-restarts", type=int, default=3, help="times a worker that exits is started again")
+    r.add_argument("--ray-placement-timeout", type=float, default=300.0,
+                   help="seconds to wait for the cluster (or its autoscaler) to make room for every worker")
     p.set_defaults(func=run_serve)
 
 
@@ -103,4 +118,11 @@ def run_serve(args: argparse.Namespace) -> int:
                        "--send-timeout", str(args.send_timeout), "--max-unsent", str(args.max_unsent),
                        *(["--stream-layers", "--stream-bytes", str(args.stream_bytes)] if args.stream_layers else [])],
     )
-    return asyncio.run(serve(dep))
+    if not args.ray:
+        return asyncio.run(serve(dep))
+    from pd_ssm.orchestrator.ray import RayLauncher, RayOptions
+
+    opts = RayOptions(address=args.ray_address, strategy=args.ray_placement_strategy,
+                      cpus_per_worker=args.ray_cpus_per_worker, role_resources=args.ray_role_resources,
+                      max_restarts=args.ray_max_restarts, placement_timeout=args.ray_placement_timeout)
+    return asyncio.run(serve(dep, RayLauncher(dep, opts)))

@@ -111,8 +111,13 @@ def start_serve(model: Path, log: Path, *extra: str, workers: int = 1, timeout: 
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     assert proc.stdout is not None
-    line = proc.stdout.readline()  # the launcher prints its address first, before any worker is up
-    m = re.search(r"listening on (http://\S+)", line)
+    # the launcher prints its address before any worker is up (under --ray, Ray may print first)
+    m = None
+    for _ in range(100):
+        line = proc.stdout.readline()
+        m = re.search(r"listening on (http://\S+)", line)
+        if m is not None or not line:
+            break
     if m is None:
         proc.kill()
         raise RuntimeError(f"no address from pd-ssm serve: {line!r}\n{log.read_text()[-3000:]}")
