@@ -114,16 +114,16 @@ def _report(opts: ServeBenchOptions, metrics: ServingMetrics, data: dict[str, An
 
 
 def main_serve(opts: ServeBenchOptions, json_path: str | None, launch_kinds: list[str] | None = None,
-               serve_args: list[str] | None = None) -> int:
+               serve_args: list[str] | None = None, launch_timeout: float = 120.0) -> int:
     """The CLI's `bench serve`: progress on stderr, the tables on stdout, JSON on request; 1 if any
     request failed. With `launch_kinds`, each deployment is started (with `serve_args`), benchmarked
-    and stopped in turn, and opts.base_url is ignored."""
+    and stopped in turn (each healthy within `launch_timeout` s), and opts.base_url is ignored."""
     runs: list[tuple[str, ServingMetrics, dict[str, Any]]] = []
     for kind in launch_kinds or [""]:
         label = f" [{kind}]" if kind else ""
         if kind:
             print(f"[bench{label}] starting the deployment", file=sys.stderr, flush=True)
-            server = launch(kind, serve_args or [])
+            server = launch(kind, serve_args or [], launch_timeout)
             print(f"[bench{label}] serving at {server.url} (its log: {server.log})", file=sys.stderr, flush=True)
             run_opts = replace(opts, base_url=server.url)
         else:
