@@ -26,8 +26,10 @@ MET, MISSED, NONE = "#2e7d32", "#c62828", "#757575"
 def read_result(path: Path) -> tuple[str, dict[str, Any]]:
     """('engine' | 'kernels' | 'serve', the JSON) of a bench result file; a clear error for anything else."""
     result = json.loads(path.read_text())
-    if isinstance(result, dict) and "metrics" in result and "requests" in result:
-        return "serve", result
+    if _is_serve(result):
+        return "serve", {"runs": [result]}
+    if isinstance(result, dict) and result.get("runs") and all(_is_serve(r) for r in result["runs"]):
+        return "serve", result  # `bench serve --launch both`: one run per deployment
     rows = result.get("rows") if isinstance(result, dict) else None
     if not rows:
         raise ValueError(f"{path}: no 'rows': not a `pd-ssm bench engine|kernels|serve --json` file")
@@ -36,6 +38,10 @@ def read_result(path: Path) -> tuple[str, dict[str, Any]]:
     if all("kernel" in r and "ms" in r for r in rows):
         return "kernels", result
     raise ValueError(f"{path}: rows are neither `bench engine`'s nor `bench kernels`'s")
+
+
+def _is_serve(result: Any) -> bool:
+    return isinstance(result, dict) and "metrics" in result and "requests" in result
 
 
 def _pyplot() -> Any:
@@ -102,25 +108,43 @@ def plot_kernels(result: dict[str, Any], out: Path) -> None:
 
 
 def plot_serve(result: dict[str, Any], out: Path) -> None:
+    """TTFT and TPOT CDFs, one curve per run (deployment), with each run's p50 and p99 marked."""
     plt = _pyplot()
-    done = [r for r in result["requests"] if r["ok"]]
-    ttft = sorted(1e3 * r["ttft"] for r in done)
-    tpot = sorted(1e3 * (r["latency"] - r["ttft"]) / (r["output_tokens"] - 1) for r in done if r["output_tokens"] > 1)
-    m, w = result["metrics"], result["workload"]
+    runs = result["runs"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=120)
-    for ax, values, name in ((axes[0], ttft, "TTFT"), (axes[1], tpot, "TPOT")):
-        if values:
-            ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], drawstyle="steps-post")
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, run in enumerate(runs):
+        done = [r for r in run["requests"] if r["ok"]]
+        ttft = sorted(1e3 * r["ttft"] for r in done)
+        tpot = sorted(1e3 * (r["latency"] - r["ttft"]) / (r["output_tokens"] - 1) for r in done
+                      if r["output_tokens"] > 1)
+        m, color = run["metrics"], colors[k % len(colors)]
+        name = run.get("deployment") or f"run {k + 1}"
+        label = f"{name}: {m['request_throughput']:.2f} req/s" if len(runs) > 1 else None
+        for ax, values, metric in ((axes[0], ttft, "TTFT"), (axes[1], tpot, "TPOT")):
+            if not values:
+                continue
+            ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], drawstyle="steps-post",
+                    color=color, label=label)
             for p, ls in (("p50", "--"), ("p99", ":")):  # the figures of the run's table
-                v = m[f"{name.lower()}_ms"][p]
-                ax.axvline(v, color="grey", ls=ls, lw=0.8, label=f"{p} {v:.1f} ms")
-            ax.legend(fontsize=8, loc="lower right")
-        ax.set_xlabel(f"{name} (ms)")
+                v = m[f"{metric.lower()}_ms"][p]
+                ax.axvline(v, color=color, ls=ls, lw=0.8, label=f"{p} {v:.1f} ms")
+    for ax, metric in ((axes[0], "TTFT"), (axes[1], "TPOT")):
+        ax.set_xlabel(f"{metric} (ms)")
         ax.set_ylabel("fraction of requests")
+        ax.set_xscale("log")
+        # plain milliseconds, not powers of ten; between the decades only 2 and 5 (the rest crowd)
+        ax.xaxis.set_major_formatter(lambda v, _: f"{v:g}")
+        ax.xaxis.set_minor_formatter(lambda v, _: f"{v:g}" if f"{v:e}"[0] in "25" else "")
         ax.grid(alpha=0.3)
-    fig.suptitle(f"pd-ssm bench serve: {result.get('model', '?')}, {m['completed']} requests ({m['failed']} failed) of "
-                 f"~{w['input_len']} -> ~{w['output_len']} tokens at {w['request_rate']} req/s: "
-                 f"{m['request_throughput']:.2f} req/s, {m['output_throughput']:.0f} output tok/s", fontsize=9)
+        ax.legend(fontsize=7, loc="lower right")
+    first = runs[0]
+    m, w = first["metrics"], first["workload"]
+    what = (f"{m['request_throughput']:.2f} req/s, {m['output_throughput']:.0f} output tok/s" if len(runs) == 1
+            else " vs ".join(r.get("deployment") or "?" for r in runs))
+    fig.suptitle(f"pd-ssm bench serve: {first.get('model', '?')}, {m['completed']} requests ({m['failed']} failed) "
+                 f"of ~{w['input_len']} -> ~{w['output_len']} tokens at {w['request_rate']} req/s: {what}",
+                 fontsize=9)
     _save(fig, plt, out)
 
 

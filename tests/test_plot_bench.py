@@ -85,6 +85,21 @@ def test_draws_a_png_of_each_kind(tmp_path: Path, kind: str) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
+def test_draws_both_deployments_of_a_launch_both_run(tmp_path: Path) -> None:
+    rng = random.Random(11)
+    runs = [{**serve_result(rng), "deployment": kind} for kind in ("colocated", "disagg")]
+    src = tmp_path / "both.json"
+    src.write_text(json.dumps({"runs": runs}))
+    kind, result = plot_bench.read_result(src)
+    assert kind == "serve" and [r["deployment"] for r in result["runs"]] == ["colocated", "disagg"]
+    out = tmp_path / "both.png"
+    assert plot_bench.main([str(src), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    src.write_text(json.dumps({"runs": [runs[0], {"rows": []}]}))  # a run that is not bench serve's
+    with pytest.raises(ValueError, match="not a `pd-ssm bench"):
+        plot_bench.read_result(src)
+
+
 def test_refuses_what_no_bench_wrote(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"rows": [{"name": "x"}]}))
