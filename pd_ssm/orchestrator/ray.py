@@ -178,26 +178,30 @@ class RayLauncher:
     # --- supervise ------------------------------------------------------------------------
     async def supervise(self, pool: WorkerPool) -> None:
         while True:
-            await asyncio.gather(*(self._check(slot, pool) for slot in self.slots if not slot.given_up))
+            checks = await asyncio.gather(*(self._check(slot, pool) for slot in self.slots if not slot.given_up),
+                                          return_exceptions=True)
+            for e in checks:  # one slot's surprise must not end the supervision of the others
+                if isinstance(e, Exception):
+                    log.error("supervising the Ray workers: %r", e)
             await asyncio.sleep(_SUPERVISE_PERIOD)
 
     async def _check(self, slot: _Slot, pool: WorkerPool) -> None:
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayActorError, RayError
 
         actor_alive = True
         try:
             code = await asyncio.wait_for(_awaitable(slot.actor.poll.remote()), _POLL_TIMEOUT)
         except RayActorError as e:
             actor_alive, code = False, None
-            how = f"its Ray actor died ({type(e).__name__})"
-        except asyncio.TimeoutError:
-            return  # a slow node: asked again next round; the router's health check sees a hung worker
+            reason = f"its Ray actor died ({type(e).__name__})"
+        except (asyncio.TimeoutError, RayError):
+            return  # a slow or unreachable node: asked again next round; /health shows a hung worker
         if actor_alive:
             if code is None:
                 return
-            how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        log.error("worker %s %s", slot.worker_id, how)
-        pool.mark_dead(slot.worker_id, f"process {how}")
+            reason = "process " + (f"killed by signal {-code}" if code < 0 else f"exited with code {code}")
+        log.error("worker %s: %s", slot.worker_id, reason)
+        pool.mark_dead(slot.worker_id, reason)
         if slot.restarts >= self.opts.max_restarts:
             slot.given_up = True
             log.error("worker %s: not restarted (--ray-max-restarts %d reached)", slot.base_id, self.opts.max_restarts)

@@ -196,13 +196,18 @@ def test_warm_up_touches_only_the_scratch_slot(hf_checkpoint: Any) -> None:
 
 
 # --- GPU ---------------------------------------------------------------------------------
+def gpu_pair(path: Any, name: str, max_num_seqs: int) -> tuple[list[list[int]], LLM, dict[str, Any]]:
+    """(the tokens of an enforce_eager GPU engine, an engine with its graphs, their flags)."""
+    gpu: dict[str, Any] = dict(device="cuda", kernel_backend="triton", gpu_memory_utilization=0.5,
+                               max_num_seqs=max_num_seqs)
+    return generate(tiny_llm(path, enforce_eager=True, **gpu), name), tiny_llm(path, **gpu), gpu
+
+
 @needs_cuda
 @pytest.mark.parametrize("name", ["mamba2-g1", "bamba-attn-middle", "nemotron-h"])
 def test_prefill_graphs_match_eager_on_gpu(name: str, hf_checkpoint: Any) -> None:
     path, _ = hf_checkpoint(name)
-    gpu: dict[str, Any] = dict(device="cuda", kernel_backend="triton", gpu_memory_utilization=0.5, max_num_seqs=2)
-    reference = generate(tiny_llm(path, enforce_eager=True, **gpu), name)
-    llm = tiny_llm(path, **gpu)
+    reference, llm, gpu = gpu_pair(path, name, max_num_seqs=2)
     graphs = llm.engine.runner.prefill_graphs
     assert graphs is not None and list(graphs.graphs) == graphs.buckets[::-1] == prefill_buckets(64, 2)[::-1]
     replays = graphs.replays
@@ -215,9 +220,6 @@ def test_prefill_graphs_match_eager_on_gpu(name: str, hf_checkpoint: Any) -> Non
 @needs_cuda
 @pytest.mark.parametrize("name", ["mamba2-g1", "bamba-attn-middle", "nemotron-h"])
 def test_mixed_steps_in_graphs_match_eager_on_gpu(name: str, hf_checkpoint: Any) -> None:
-    path, _ = hf_checkpoint(name)
-    gpu: dict[str, Any] = dict(device="cuda", kernel_backend="triton", gpu_memory_utilization=0.5, max_num_seqs=8)
-    reference = generate(tiny_llm(path, enforce_eager=True, **gpu), name)
-    llm = tiny_llm(path, **gpu)
+    reference, llm, _ = gpu_pair(hf_checkpoint(name)[0], name, max_num_seqs=8)  # decodes beside prefills
     assert generate(llm, name) == reference
     assert llm.engine.runner.split_steps >= 3
