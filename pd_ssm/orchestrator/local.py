@@ -12,6 +12,9 @@ the router's control address and the launcher's pid.  Ports: the HTTP port is --
 picks a free one, printed as `listening on http://HOST:PORT`); control sockets always bind to
 OS-chosen ports and are exchanged in messages, so nothing is hard-coded.
 
+Who starts the workers is a WorkerLauncher (launcher.py) composed into `serve`: ProcessLauncher
+below (children of this process) or ray.RayLauncher (`--ray`: Ray actors on a cluster's nodes).
+
 Supervision: a worker process that exits is logged with its exit code and marked dead in the
 router at once (its requests end with 503, /health shows it, the others keep serving).
 SIGINT / SIGTERM stop the HTTP server, ask every worker to shut down, then SIGTERM and finally
