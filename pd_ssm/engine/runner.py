@@ -11,9 +11,10 @@ chunks (a colocated engine admitting a prompt while others decode) runs as its t
 prefill chunks' graph and then the decodes' graph, when both have one: every sequence's state is
 its own (no layer mixes rows of different sequences but the linears, which compute each row alone),
 so the halves compute what one mixed forward does, and exactly what a disaggregated deployment's
-prefill and decode workers compute.  Eagerly, such a step launched both paths' kernels for every
-layer: ~0.1-0.2 s of host time at Mamba2-2.7B shape on an H200, against ~30 ms in the two graphs
-(benchmarks/RESULTS.md, session 29).  Everything else (every step on the CPU, with enforce_eager,
+prefill and decode workers compute.  Eagerly, such a step took 0.1-0.2 s at Mamba2-2.7B shape on
+an H200 with 30-40 requests held, and ~1 s more where Triton first met a new specialization of
+the eager path; served through the two graphs, every step of that workload stayed under 18 ms
+(p99; benchmarks/RESULTS.md, session 29).  Everything else (every step on the CPU, with enforce_eager,
 or beyond the buckets) runs eagerly.  All paths return the same logits for the same batch.
 
 `launch` queues a step and its sampling without reading anything back (the sampled tokens stay on
