@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -122,22 +124,29 @@ class RayLauncher:
 
     # --- start ---------------------------------------------------------------------------
     def start(self, pool: WorkerPool, token: str) -> None:
+        from ray.exceptions import RayError
         from ray.util.placement_group import placement_group
 
         self.token, self._router_address = token, pool.address
         self._host_class = self._ray.remote(WorkerHost)
         self.slots = [_Slot(w, bundle_for(self.dep, self.opts, w), i) for i, w in enumerate(pool.workers)]
-        self.pg = placement_group([s.bundle for s in self.slots], strategy=self.opts.strategy, name="pd_ssm_serve")
+        # a name of its own: several deployments may share a cluster (`ray list placement-groups` shows it)
+        self.pg = placement_group([s.bundle for s in self.slots], strategy=self.opts.strategy,
+                                  name=f"pd_ssm_serve_{os.getpid()}_{secrets.token_hex(3)}")
         self._wait_placed()
         for slot in self.slots:
             slot.actor = self._new_actor(slot)
         # the actors start in parallel: ask all, then read the answers
         wait = self.opts.placement_timeout
-        ips = self._ray.get([s.actor.node_ip.remote() for s in self.slots], timeout=wait)
-        pids = self._ray.get([s.actor.pid.remote() for s in self.slots], timeout=wait)
-        starts = [s.actor.start.remote(*self._command(s.base_id, ip, pid))
-                  for s, ip, pid in zip(self.slots, ips, pids, strict=True)]
-        for slot, ip, worker_pid in zip(self.slots, ips, self._ray.get(starts, timeout=wait), strict=True):
+        try:
+            ips = self._ray.get([s.actor.node_ip.remote() for s in self.slots], timeout=wait)
+            pids = self._ray.get([s.actor.pid.remote() for s in self.slots], timeout=wait)
+            starts = [s.actor.start.remote(*self._command(s.base_id, ip, pid))
+                      for s, ip, pid in zip(self.slots, ips, pids, strict=True)]
+            worker_pids = self._ray.get(starts, timeout=wait)
+        except RayError as e:  # an actor that died or never answered: nothing is served half-started
+            raise LaunchError(f"starting the workers' Ray actors failed: {e}") from e
+        for slot, ip, worker_pid in zip(self.slots, ips, worker_pids, strict=True):
             slot.worker_id = slot.base_id
             pool.workers[slot.worker_id].pid = worker_pid
             log.info("started worker %s (pid %d) on node %s, bundle %s", slot.worker_id, worker_pid, ip, slot.bundle)
