@@ -22,9 +22,8 @@ fi
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader > "$OUT/gpu.txt"
 MODEL=${MODEL:-/tmp/mamba2-2.7b}
 if [ ! -f "$MODEL/config.json" ]; then
-  mkdir -p "$MODEL"
-  $PY -c "import json, sys; from pd_ssm.bench.shapes import MAMBA2_2_7B; json.dump(MAMBA2_2_7B, open(sys.argv[1], 'w'))" \
-    "$MODEL/config.json" || exit 2
+  $PY -c "import sys; from pd_ssm.bench.shapes import write_shape; write_shape('mamba2-2.7b', sys.argv[1])" "$MODEL" \
+    || exit 2
 fi
 ARGS="--model $MODEL --load-format dummy --device cuda --gpus 0,0 --num-prefill 1 --num-decode 1 --connector zmq"
 ARGS+=" --gpu-memory-utilization 0.35 --max-num-seqs ${SEQS:-64} ${EXTRA:-}"

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pd_ssm.bench.deploy import launch  # noqa: E402
 from pd_ssm.bench.metrics import format_table  # noqa: E402
 from pd_ssm.bench.serving import ServeBenchOptions, run_serve_bench  # noqa: E402
-from pd_ssm.bench.shapes import MAMBA2_2_7B  # noqa: E402
+from pd_ssm.bench.shapes import write_shape  # noqa: E402
 from pd_ssm.bench.workload import WorkloadSpec  # noqa: E402
 
 MODEL = Path("/tmp/mamba2-2.7b")
@@ -51,8 +51,7 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
-    MODEL.mkdir(parents=True, exist_ok=True)
-    (MODEL / "config.json").write_text(json.dumps(MAMBA2_2_7B))
+    write_shape("mamba2-2.7b", MODEL)
     server = launch(args.kind, shlex.split(args.serve_args), 420.0)
     phases = {"alone": WorkloadSpec(num_prompts=12, input_len=args.input_len, output_len=16),
               "loaded": WorkloadSpec(num_prompts=64, input_len=args.input_len, output_len=128,

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pd_ssm import LLM, SamplingParams  # noqa: E402
-from pd_ssm.bench.shapes import MAMBA2_2_7B  # noqa: E402
+from pd_ssm.bench.shapes import write_shape  # noqa: E402
 
 
 def main() -> int:
@@ -42,11 +42,9 @@ def main() -> int:
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", "/tmp/out"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    model = Path("/tmp/mamba2-2.7b")
-    model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text(json.dumps(MAMBA2_2_7B))
+    model = write_shape("mamba2-2.7b", "/tmp/mamba2-2.7b")
     t0 = time.perf_counter()
-    llm = LLM(str(model), device="cuda", load_format="dummy", max_num_seqs=64, gpu_memory_utilization=0.35)
+    llm = LLM(model, device="cuda", load_format="dummy", max_num_seqs=64, gpu_memory_utilization=0.35)
     print(f"engine built in {time.perf_counter() - t0:.1f} s", flush=True)
     eng = llm.engine
     rng = random.Random(0)

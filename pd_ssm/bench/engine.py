@@ -23,19 +23,17 @@ floor; prefill of 2048 tokens <= 30 ms.
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from pd_ssm.bench.roofline import decode_floor_bytes, model_bytes, prefill_floor
-from pd_ssm.bench.shapes import DEFAULT_SHAPE, SHAPES
+from pd_ssm.bench.shapes import DEFAULT_SHAPE, SHAPES, write_shape
 
 DECODE_TARGET = 1.25  # x floor
 PREFILL_TARGET_MS = 30.0  # for 2048 tokens
@@ -135,8 +133,7 @@ def run_engine_bench(opts: EngineBenchOptions, on_row: Callable[[BenchRow], None
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = opts.model
         if model_dir is None:
-            (Path(tmp) / "config.json").write_text(json.dumps(SHAPES[opts.shape]))
-            model_dir = tmp
+            model_dir = write_shape(opts.shape, tmp)
         load_format = opts.load_format or ("dummy" if opts.model is None else "auto")
         max_batch = max(opts.batch_sizes)
         budget = max(opts.prefill_tokens, 2048)  # tokens a step

@@ -7,6 +7,8 @@ config.json); the tests check the parameter counts that the model cards publish.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 # state-spaces/mamba2-2.7b: 64 Mamba2 blocks, 2.70 G parameters (TARGETS.md's model)
@@ -107,3 +109,12 @@ SHAPES: dict[str, dict[str, Any]] = {
     "nemotron-h-8b": NEMOTRON_H_8B,
 }
 DEFAULT_SHAPE = "mamba2-2.7b"
+
+
+def write_shape(shape: str, model_dir: str | Path) -> str:
+    """Make `model_dir` a checkpoint directory of `shape` with no weights (its config.json alone):
+    what `--load-format dummy` loads. Returns the directory as a string."""
+    path = Path(model_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(SHAPES[shape]))
+    return str(path)

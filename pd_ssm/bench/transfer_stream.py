@@ -27,7 +27,6 @@ embedded tiny hybrid on the CPU. Medians over the runs after one warm-up.
 from __future__ import annotations
 
 import hashlib
-import json
 import statistics
 import tempfile
 import time
@@ -88,11 +87,10 @@ def stream_overlap(model: str | None, device: str, tokens: int, repeats: int, ti
         raise ValueError(f"bench stream: connector must be zmq or nccl, got {connector!r}")
     if model is not None or device != "cuda":
         return _measure(model, device, tokens, repeats, timeout, connector, dummy=False)
-    from pd_ssm.bench.shapes import MAMBA2_2_7B
+    from pd_ssm.bench.shapes import write_shape
 
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(MAMBA2_2_7B))
-        return _measure(tmp, device, tokens, repeats, timeout, connector, dummy=True, name="mamba2-2.7b (dummy)")
+        return _measure(write_shape("mamba2-2.7b", tmp), device, tokens, repeats, timeout, connector, dummy=True, name="mamba2-2.7b (dummy)")
 
 
 def _sender(connector: str, device: str, peer: _Peer, timeout: float) -> ZmqConnector | NcclConnector:

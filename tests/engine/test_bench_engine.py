@@ -14,7 +14,7 @@ import torch
 
 from pd_ssm.bench.engine import BenchRow, format_table
 from pd_ssm.bench.roofline import ModelBytes, decode_floor_bytes, model_bytes, prefill_floor
-from pd_ssm.bench.shapes import MAMBA2_2_7B, SHAPES
+from pd_ssm.bench.shapes import MAMBA2_2_7B, SHAPES, write_shape
 from pd_ssm.config import CacheConfig, ModelConfig
 from pd_ssm.engine.memory_plan import kv_block_bytes, state_slot_bytes
 from pd_ssm.kernels.dispatch import get_kernels
@@ -109,9 +109,18 @@ def test_bench_engine_refuses_bad_options_in_one_line(args: list[str], says: str
     assert says in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_write_shape_makes_a_weightless_checkpoint_of_the_shape(name: str, tmp_path: Path) -> None:
+    model_dir = write_shape(name, tmp_path / "nested" / name)
+    assert sorted(p.name for p in Path(model_dir).iterdir()) == ["config.json"]
+    assert json.loads((Path(model_dir) / "config.json").read_text()) == SHAPES[name]
+    mc = ModelConfig.from_pretrained(model_dir)
+    assert mc.vocab_size == SHAPES[name]["vocab_size"] and mc.num_layers == ModelConfig.from_hf_dict(SHAPES[name]).num_layers
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_dummy_2_7b_builds_on_gpu_quickly(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps(MAMBA2_2_7B))
+    write_shape("mamba2-2.7b", tmp_path)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     model = load_model(tmp_path, device="cuda", dtype=torch.bfloat16, kernels=get_kernels("torch", "cuda"),
