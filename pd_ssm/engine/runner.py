@@ -43,6 +43,12 @@ from pd_ssm.engine.schedule_types import ScheduledSeq, SchedulerOutput
 from pd_ssm.models.base import CausalLM
 
 
+def _sampling(seqs: list[ScheduledSeq]) -> list[Request]:
+    """The requests of `seqs` that sample this step: those whose pending tokens are all fed."""
+    return [seq.request for seq in seqs if seq.request.num_computed_tokens + seq.num_new_tokens
+            == seq.request.num_tokens]
+
+
 class Launched(NamedTuple):
     """A queued step: the requests that sample (row order) and their tokens, still on the device."""
 
@@ -178,8 +184,7 @@ class ModelRunner:
                 feed.apply(input_ids)  # decodes come first: decode row i is input row i
             meta.on_layer = stream
             hidden = self.model(input_ids, positions, meta, self.pool)
-        sampling = [seq.request for seq in sched.seqs if seq.request.num_computed_tokens + seq.num_new_tokens
-                    == seq.request.num_tokens]
+        sampling = _sampling(sched.seqs)
         if not rows:
             return torch.empty(0, device=self.device), []
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
@@ -198,9 +203,7 @@ class ModelRunner:
         # graph replays; the decode graph's logits (its static buffer) are copied by the cat
         host, rows = self.host_rows(SchedulerOutput(prefills=sched.prefills))
         hidden = self.prefill_graphs.run(host)
-        sampling = [seq.request for seq in sched.decodes]  # every decode row samples, first
-        sampling += [seq.request for seq in sched.prefills
-                     if seq.request.num_computed_tokens + seq.num_new_tokens == seq.request.num_tokens]
+        sampling = _sampling(sched.seqs)  # every decode row, first, then the prefills that finish
         prefill_logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
         decode_logits = self.graphs.run(self.decode_rows(sched.decodes))
         self.split_steps += 1
