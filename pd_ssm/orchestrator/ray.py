@@ -139,14 +139,13 @@ class RayLauncher:
         # the actors start in parallel: ask all, then read the answers
         wait = self.opts.placement_timeout
         try:
-            ips = self._ray.get([s.actor.node_ip.remote() for s in self.slots], timeout=wait)
-            pids = self._ray.get([s.actor.pid.remote() for s in self.slots], timeout=wait)
+            places = self._ray.get([s.actor.place.remote() for s in self.slots], timeout=wait)
             starts = [s.actor.start.remote(*self._command(s.base_id, ip, pid))
-                      for s, ip, pid in zip(self.slots, ips, pids, strict=True)]
+                      for s, (ip, pid) in zip(self.slots, places, strict=True)]
             worker_pids = self._ray.get(starts, timeout=wait)
         except RayError as e:  # an actor that died or never answered: nothing is served half-started
             raise LaunchError(f"starting the workers' Ray actors failed: {e}") from e
-        for slot, ip, worker_pid in zip(self.slots, ips, worker_pids, strict=True):
+        for slot, (ip, _), worker_pid in zip(self.slots, places, worker_pids, strict=True):
             slot.worker_id = slot.base_id
             pool.workers[slot.worker_id].pid = worker_pid
             log.info("started worker %s (pid %d) on node %s, bundle %s", slot.worker_id, worker_pid, ip, slot.bundle)
@@ -226,8 +225,7 @@ class RayLauncher:
             slot.actor = self._new_actor(slot)
         worker_id = f"{slot.base_id}.{slot.restarts}"
         try:
-            ip = await _awaitable(slot.actor.node_ip.remote())
-            actor_pid = await _awaitable(slot.actor.pid.remote())
+            ip, actor_pid = await _awaitable(slot.actor.place.remote())
             worker_pid = await _awaitable(slot.actor.start.remote(*self._command(worker_id, ip, actor_pid)))
         except RayError as e:  # the actor died again before its worker started: the next check retries
             log.error("restart of %s as %s failed: %s", slot.base_id, worker_id, e)

@@ -27,13 +27,11 @@ class WorkerHost:
     def __init__(self) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def node_ip(self) -> str:
+    def place(self) -> tuple[str, int]:
+        """(this node's address in the cluster, this actor's pid): the worker's --host and --parent-pid."""
         import ray
 
-        return str(ray.util.get_node_ip_address())
-
-    def pid(self) -> int:
-        return os.getpid()
+        return str(ray.util.get_node_ip_address()), os.getpid()
 
     def start(self, args: list[str], env: dict[str, str]) -> int:
         """Start the worker: this node's Python with `args` (launcher.worker_args, given this node's
