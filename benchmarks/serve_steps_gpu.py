@@ -1,6 +1,6 @@
 """Where a served workload's first seconds go, without HTTP: the engine of one `pd-ssm serve` worker
-(Mamba2-2.7B shape, dummy weights, the flags of benchmarks/serve_gpu.sh) fed the same kind of
-workload in-process (Poisson arrivals, random prompt ids, ignore_eos), every step timed.
+(Mamba2-2.7B shape, dummy weights, the flags of benchmarks/serve_gpu.sh) fed the same
+workload in-process (bench serve's: Poisson arrivals, random prompt ids, ignore_eos), every step timed.
 
     python benchmarks/serve_steps_gpu.py [--rate 8] [--prompts 64] [--input-len 1024] [--output-len 128]
         [--profile FILE]   (cProfile of the whole run, top functions by cumulative time into FILE)
@@ -17,7 +17,6 @@ import io
 import json
 import os
 import pstats
-import random
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pd_ssm import LLM, SamplingParams  # noqa: E402
 from pd_ssm.bench.shapes import write_shape  # noqa: E402
+from pd_ssm.bench.workload import WorkloadSpec, make_workload  # noqa: E402
 
 
 def main() -> int:
@@ -47,15 +47,14 @@ def main() -> int:
     llm = LLM(model, device="cuda", load_format="dummy", max_num_seqs=64, gpu_memory_utilization=0.35)
     print(f"engine built in {time.perf_counter() - t0:.1f} s", flush=True)
     eng = llm.engine
-    rng = random.Random(0)
+    # bench serve's own workload (same seed: the same prompts and arrivals as serve_gpu.sh sends)
+    work = make_workload(WorkloadSpec(num_prompts=args.prompts, input_len=args.input_len,
+                                      output_len=args.output_len, request_rate=args.rate))
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
-    for _ in range(args.warmup):
-        llm.generate([[rng.randrange(256) for _ in range(16)]], SamplingParams(max_tokens=2, ignore_eos=True))
-    arrivals, t = [], 0.0
-    for _ in range(args.prompts):
-        t += rng.expovariate(args.rate)
-        arrivals.append(t)
-    prompts = [[rng.randrange(256) for _ in range(args.input_len)] for _ in range(args.prompts)]
+    for _ in range(args.warmup):  # as bench serve's warm-up: the first prompt's first 16 tokens
+        llm.generate([work[0].prompt[:16]], SamplingParams(max_tokens=2, ignore_eos=True))
+    arrivals = [r.send_at for r in work]
+    prompts = [r.prompt for r in work]
     prof = cProfile.Profile() if args.profile else None
     start = time.perf_counter()
     first: dict[str, float] = {}
