@@ -86,6 +86,29 @@ class Serve:
         return stop_process(self.proc, 15.0)
 
 
+def wait_until(pred: Callable[[], bool], within: float, what: str) -> None:
+    """Poll `pred` until it holds; AssertionError naming `what` after `within` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not within {within} s: {what}")
+
+
+def workers_by_id(serve: Serve) -> dict[str, dict[str, Any]]:
+    """/health's workers, by id."""
+    return {w["id"]: w for w in serve.health()["workers"]}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="session")
 def default_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random hybrid (the serving tests check mechanics, not text; the trained default model

@@ -25,7 +25,15 @@ from typing import Any
 import pytest
 
 from pd_ssm import LLM, SamplingParams
-from tests.orchestrator.conftest import DISAGG_START_TIMEOUT, Serve, pools_empty, start_serve
+from tests.orchestrator.conftest import (
+    DISAGG_START_TIMEOUT,
+    Serve,
+    alive,
+    pools_empty,
+    start_serve,
+    wait_until,
+    workers_by_id,
+)
 from tests.orchestrator.test_serve_openai import random_text
 
 pytest.importorskip("ray", reason="Ray is not installed here (pip install 'pd-ssm[ray]')")
@@ -112,20 +120,11 @@ def parent_cmdline(pid: int) -> str:
 
 
 def gone(pid: int) -> bool:
+    # a zombie no one reaped yet counts as gone (the workers are children of Ray actors, not of ours)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return not alive(pid) or Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:  # reaped between the two looks
         return True
-    # a zombie no one reaped yet counts as gone
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-
-
-def wait_for(cond: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.2)
 
 
 def test_colocated_workers_on_ray_match_generate_and_leave_nothing(
@@ -143,7 +142,7 @@ def test_colocated_workers_on_ray_match_generate_and_leave_nothing(
         expect_same(serve, reference, rng, 4)
     finally:
         assert serve.stop() == 0
-    wait_for(lambda: all(gone(p) for p in pids), 15, f"worker processes {pids} outlived the launcher")
+    wait_until(lambda: all(gone(p) for p in pids), 15, f"worker processes {pids} outlived the launcher")
     state = cluster_state(ray_address)
     assert set(state["pgs"].values()) == {"REMOVED"}
     assert state["available"]["CPU"] == CLUSTER_CPUS
@@ -159,15 +158,15 @@ def test_disagg_on_ray_uses_role_resources_and_restarts_a_killed_worker(
         available = cluster_state(ray_address)["available"]
         assert available.get("pd_prefill", 0.0) == 0.0 and available.get("pd_decode", 0.0) == 0.0
         expect_same(serve, reference, rng, 2)
-        decode_pid = next(w["pid"] for w in serve.health()["workers"] if w["id"] == "d0")
+        decode_pid = workers_by_id(serve)["d0"]["pid"]
         os.kill(decode_pid, signal.SIGKILL)
 
         def restarted() -> bool:
-            by_id = {w["id"]: w for w in serve.health()["workers"]}
+            by_id = workers_by_id(serve)
             return by_id["d0"]["status"] == "dead" and by_id.get("d0.1", {}).get("status") == "healthy"
 
-        wait_for(restarted, DISAGG_START_TIMEOUT, f"d0 not restarted as d0.1:\n{serve.log.read_text()[-3000:]}")
-        assert "signal 9" in {w["id"]: w for w in serve.health()["workers"]}["d0"]["error"]
+        wait_until(restarted, DISAGG_START_TIMEOUT, f"d0 not restarted as d0.1:\n{serve.log.read_text()[-3000:]}")
+        assert "signal 9" in workers_by_id(serve)["d0"]["error"]
         expect_same(serve, reference, rng, 2)
         assert pools_empty(serve, "p0") and pools_empty(serve, "d0.1")
     finally:
