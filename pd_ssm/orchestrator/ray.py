@@ -198,7 +198,7 @@ class RayLauncher:
 
         actor_alive = True
         try:
-            code = await asyncio.wait_for(_awaitable(slot.actor.poll.remote()), _POLL_TIMEOUT)
+            code = await asyncio.wait_for(slot.actor.poll.remote(), _POLL_TIMEOUT)  # an ObjectRef is awaitable
         except RayActorError as e:
             actor_alive, code = False, None
             reason = f"its Ray actor died ({type(e).__name__})"
@@ -225,8 +225,8 @@ class RayLauncher:
             slot.actor = self._new_actor(slot)
         worker_id = f"{slot.base_id}.{slot.restarts}"
         try:
-            ip, actor_pid = await _awaitable(slot.actor.place.remote())
-            worker_pid = await _awaitable(slot.actor.start.remote(*self._command(worker_id, ip, actor_pid)))
+            ip, actor_pid = await slot.actor.place.remote()
+            worker_pid = await slot.actor.start.remote(*self._command(worker_id, ip, actor_pid))
         except RayError as e:  # the actor died again before its worker started: the next check retries
             log.error("restart of %s as %s failed: %s", slot.base_id, worker_id, e)
             return
@@ -250,15 +250,6 @@ class RayLauncher:
         if self.pg is not None:
             remove_placement_group(self.pg)
         self._ray.shutdown()
-
-
-def _awaitable(ref: Any) -> Any:
-    """An ObjectRef as something asyncio.wait_for takes (a Ray ObjectRef is awaitable, not a coroutine)."""
-
-    async def get() -> Any:
-        return await ref
-
-    return get()
 
 
 def _total(bundles: list[dict[str, float]]) -> dict[str, float]:
